@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Creates .venv (if missing) with torch and the project's tools, then builds rlx_torch._C.
+# Idempotent: a second run only rebuilds what changed. Source it or call it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON_BIN="${PYTHON_BIN:-python3}"
+TORCH_SPEC="${RLX_TORCH_SPEC:-torch==2.13.0}"
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON_BIN" -m venv .venv
+fi
+# Install torch first and on its own, so that no later step can pull another (CUDA) build.
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC"
+fi
+.venv/bin/pip install -q --disable-pip-version-check \
+  "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
+.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
