@@ -4,4 +4,9 @@ from ._loader import load_extension
 
 load_extension()
 
+from . import nn, ops, optim  # noqa: E402
+
+# Public API (each feature adds its names here).
+__all__ = ["nn", "ops", "optim"]
+
 __version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Drop-in nn.Module layers built on the rlx ops."""
