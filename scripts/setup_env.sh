@@ -14,4 +14,5 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/pip install -q --disable-pip-version-check \
   "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
-.venv/bin/pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
+# In-place build (incremental); scripts/check_wheel.sh covers `pip install`/wheels.
+PYTHON=.venv/bin/python bash scripts/build_dev.sh
