@@ -1,0 +1,10 @@
+"""Text shipped with the package for the demo (see README.txt here for source and licence)."""
+
+from importlib import resources
+
+DEMO_CORPUS = "kjv_genesis.txt"
+
+
+def read_bytes(name: str = DEMO_CORPUS) -> bytes:
+    """The raw bytes of a text file shipped in ``rlx_torch/data``."""
+    return resources.files(__package__).joinpath(name).read_bytes()

@@ -1,0 +1,51 @@
+"""Gated RMSNorm: the output normalization of Gated DeltaNet (fla's ``FusedRMSNormGated``)."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
+
+
+class RMSNormGated(nn.Module):
+    """``y = x / sqrt(mean(x^2) + eps) * weight * act(gate)`` over the last dimension.
+
+    ``act`` is SiLU (default; "swish" is the same) or sigmoid. Statistics are computed in
+    float32 and the result is returned in ``x``'s dtype. ``gate=None`` gives a plain RMSNorm.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, activation: str = "silu",
+                 elementwise_affine: bool = True, device=None, dtype=None):
+        super().__init__()
+        if activation not in _GATE_ACTIVATIONS:
+            raise ValueError(
+                f"RMSNormGated: activation must be one of {sorted(_GATE_ACTIVATIONS)}, "
+                f"got {activation!r}"
+            )
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.activation = activation
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        else:
+            self.register_parameter("weight", None)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}, activation={self.activation}"
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(
+                f"RMSNormGated: x's last dimension must be {self.hidden_size}, got {tuple(x.shape)}"
+            )
+        if gate is not None and gate.shape != x.shape:
+            raise ValueError(
+                f"RMSNormGated: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}"
+            )
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * self.weight.float()
+        if gate is not None:
+            y = y * _GATE_ACTIVATIONS[self.activation](gate.float())
+        return y.to(x.dtype)
