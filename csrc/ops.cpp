@@ -14,6 +14,29 @@ extern "C" PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(rlx, m) {
   // ---- codebook matmul (csrc/cpu/codebook.cpp) ----
+  // Contract (shapes, dtypes, masked outputs): rlx_torch/ops/codebook.py.
+  m.def(
+      "codebook_matmul(Tensor x, Tensor indices, Tensor codebook, Tensor? scales, Tensor? bias)"
+      " -> Tensor");
+  m.def(
+      "codebook_matmul_backward(Tensor grad_out, Tensor x, Tensor indices, Tensor codebook,"
+      " Tensor? scales, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
 
   // ---- gated delta rule (csrc/cpu/gated_delta.cpp) ----
+  // Contract (shapes, dtypes, checkpoints): rlx_torch/ops/gated_delta.py; packed layouts:
+  // csrc/include/rlx/gdn_backward_layout.h. Returns (o, final_state, checkpoints).
+  m.def(
+      "gated_delta_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale,"
+      " Tensor? initial_state, Tensor? cu_seqlens, int chunk_size=64)"
+      " -> (Tensor, Tensor, Tensor)");
+  // Returns the packed gradient buffer (GdnBackwardLayout): dq, dk, dv, dg, dbeta, dstate.
+  m.def(
+      "gated_delta_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale,"
+      " Tensor? initial_state, Tensor? cu_seqlens, Tensor checkpoints, Tensor grad_o,"
+      " Tensor? grad_final_state, int chunk_size=64) -> Tensor");
+  m.def(
+      "gated_delta_bwd_layout(int batch, int seq_len, int num_qk_heads, int num_v_heads,"
+      " int head_k_dim, int head_v_dim, int num_states, bool gate_per_channel,"
+      " bool has_initial_state) -> int[]");
+  m.def("gated_delta_checkpoint_slots(int num_seqs, int total_tokens, int chunk_size) -> int");
 }

@@ -5,8 +5,10 @@ from ._loader import load_extension
 load_extension()
 
 from . import nn, ops, optim  # noqa: E402
+from .ops.codebook import codebook_matmul  # noqa: E402
 
 # Public API (each feature adds its names here).
 __all__ = ["nn", "ops", "optim"]
+__all__ += ["codebook_matmul"]
 
 __version__ = "0.1.0"

@@ -1,1 +1,3 @@
 """Public op entry points (each module registers its fake kernels and autograd wrappers)."""
+
+from .codebook import codebook_matmul  # noqa: F401  (registers rlx::codebook_* fakes)
