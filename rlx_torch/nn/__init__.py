@@ -1,1 +1,6 @@
 """Drop-in nn.Module layers built on the rlx ops."""
+
+# ---- layers (Gated DeltaNet and its parts) ----
+from .cache import RecurrentCache as RecurrentCache  # noqa: E402
+from .conv import ShortConvolution as ShortConvolution  # noqa: E402
+from .norm import RMSNormGated as RMSNormGated  # noqa: E402

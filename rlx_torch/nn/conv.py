@@ -82,7 +82,10 @@ class ShortConvolution(nn.Conv1d):
             history = cache.to(x.dtype)
         # The last W-1 cached inputs are the left context; conv1d wants [B, D, T].
         window = torch.cat([history, x.transpose(1, 2)], dim=2)
-        y = F.conv1d(window[:, :, 1:], self.weight, groups=D).transpose(1, 2)
+        if T == 0:  # conv1d rejects an input shorter than the kernel
+            y = x.new_zeros(B, 0, D)
+        else:
+            y = F.conv1d(window[:, :, 1:], self.weight, groups=D).transpose(1, 2)
         final = window[:, :, -W:] if output_final_state else None
         return y, final
 

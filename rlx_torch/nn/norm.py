@@ -10,8 +10,8 @@ _GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
 class RMSNormGated(nn.Module):
     """``y = x / sqrt(mean(x^2) + eps) * weight * act(gate)`` over the last dimension.
 
-    ``act`` is SiLU (default; "swish" is the same) or sigmoid. Statistics are computed in
-    float32 and the result is returned in ``x``'s dtype. ``gate=None`` gives a plain RMSNorm.
+    ``act`` is SiLU (default; "swish" is the same) or sigmoid. Half-precision inputs are
+    computed in float32; the result has ``x``'s dtype. ``gate=None`` gives a plain RMSNorm.
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, activation: str = "silu",
@@ -42,10 +42,11 @@ class RMSNormGated(nn.Module):
             raise ValueError(
                 f"RMSNormGated: gate must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}"
             )
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        compute = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for gradcheck
+        xc = x.to(compute)
+        y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps)
         if self.weight is not None:
-            y = y * self.weight.float()
+            y = y * self.weight.to(compute)
         if gate is not None:
-            y = y * _GATE_ACTIVATIONS[self.activation](gate.float())
+            y = y * _GATE_ACTIVATIONS[self.activation](gate.to(compute))
         return y.to(x.dtype)
