@@ -6,9 +6,11 @@ load_extension()
 
 from . import nn, ops, optim  # noqa: E402
 from .ops.codebook import codebook_matmul  # noqa: E402
+from .ops.gated_delta import gated_delta_rule  # noqa: E402
 
 # Public API (each feature adds its names here).
 __all__ = ["nn", "ops", "optim"]
 __all__ += ["codebook_matmul"]
+__all__ += ["gated_delta_rule"]
 
 __version__ = "0.1.0"

@@ -1,3 +1,4 @@
 """Public op entry points (each module registers its fake kernels and autograd wrappers)."""
 
 from .codebook import codebook_matmul  # noqa: F401  (registers rlx::codebook_* fakes)
+from .gated_delta import gated_delta_rule  # noqa: F401  (registers rlx::gated_delta_* fakes)

@@ -31,3 +31,48 @@ def codebook_matmul(x, indices, codebook, scales=None, bias=None):
     return out.to(x.dtype)
 
 # ---- gated delta rule ----
+
+
+def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):
+    """fla's naive recurrence (fla/ops/gated_delta_rule/naive.py, fla/ops/kda/naive.py),
+    token by token, with GVA, per-head or per-channel gates and varlen.
+
+    State math in float32 (float64 for float64 inputs); o in v's dtype; final state in the
+    state dtype. Shapes as in rlx_torch.gated_delta_rule.
+    """
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    B, T, H, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    out_dtype = v.dtype
+    q, k, v, g, beta = (t.to(acc) for t in (q, k, v, g, beta))
+    if use_qk_l2norm:  # fla's l2norm: x / sqrt(sum x^2 + 1e-6)
+        q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    scale = K**-0.5 if scale is None else scale
+    # GVA: value head hv reads q/k head hv // (HV // H).
+    q = q.repeat_interleave(HV // H, dim=2) * scale
+    k = k.repeat_interleave(HV // H, dim=2)
+    gate = g if g.dim() == 4 else g.unsqueeze(-1).expand(B, T, HV, K)
+    if cu_seqlens is None:
+        bounds = [(b, 0, T) for b in range(B)]
+    else:
+        cu = cu_seqlens.tolist()
+        bounds = [(0, cu[n], cu[n + 1]) for n in range(len(cu) - 1)]
+    outs, finals = [], []
+    for n, (b, bos, eos) in enumerate(bounds):
+        S = q.new_zeros(HV, K, V) if initial_state is None else initial_state[n].to(acc)
+        seq_out = []
+        for t in range(bos, eos):
+            S = S * gate[b, t].exp().unsqueeze(-1)
+            u = beta[b, t].unsqueeze(-1) * (v[b, t] - torch.einsum("hk,hkv->hv", k[b, t], S))
+            S = S + k[b, t].unsqueeze(-1) * u.unsqueeze(-2)
+            seq_out.append(torch.einsum("hk,hkv->hv", q[b, t], S))
+        outs.append(torch.stack(seq_out) if seq_out else v.new_zeros(0, HV, V))
+        finals.append(S)
+    if cu_seqlens is None:
+        o = torch.stack(outs) if outs else v.new_zeros(0, T, HV, V)
+    else:
+        o = torch.cat(outs).unsqueeze(0)
+    final_state = torch.stack(finals) if finals else v.new_zeros(0, HV, K, V)
+    return o.to(out_dtype), (final_state if output_final_state else None)

@@ -1,0 +1,391 @@
+// Gated delta rule on the CPU: token-by-token recurrence with float32 (float64) state.
+//
+// Per (sequence, value head hv), state S in R^{K x V}, q/k head h = hv / (HV / H):
+//   P = diag(a_t) S_{t-1}, a_t = exp(g_t)      (one gate per head, or one per key channel)
+//   w = P^T k_t,  u = beta_t (v_t - w),  S_t = P + k_t u^T,  o_t = scale S_t^T q_t
+// Forward: parallel over (sequence, hv, V-block) -- the columns of S evolve independently --
+// and keeps S every C tokens in the checkpoint buffer (gdn_backward_layout.h).
+// Backward: parallel over (sequence, q/k head); for each value head of the group it walks
+// the chunks backwards, recomputes the chunk's states from its checkpoint into a C x K x V
+// scratch, then runs the reverse recurrence for dS. dq/dk of a group are summed over its
+// value heads in a fixed order, so results are bitwise reproducible.
+// The only exponentials are exp(g_t) of the inputs themselves (<= 1 for the log-space
+// decays g <= 0 the op is meant for); nothing is ever divided by a decay.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "rlx/gdn_backward_layout.h"
+#include "rlx/gdn_checks.h"
+
+namespace rlx {
+namespace {
+
+// Dot product with 8 independent partial sums: vectorizes without -ffast-math and the
+// summation order is fixed, so results are reproducible.
+template <typename T>
+inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
+  constexpr int64_t L = 8;
+  T part[L] = {};
+  int64_t j = 0;
+  for (; j + L <= n; j += L) {
+    for (int64_t l = 0; l < L; ++l) part[l] += a[j + l] * b[j + l];
+  }
+  for (int64_t l = 0; j < n; ++j, ++l) part[l] += a[j] * b[j];
+  T s = 0;
+  for (int64_t l = 0; l < L; ++l) s += part[l];
+  return s;
+}
+
+template <typename acc_t>
+using AccVec = std::vector<acc_t>;
+
+// Raw pointers and sizes of one call; token index tok = b * T + t (packed when varlen).
+template <typename in_t, typename acc_t>
+struct Views {
+  const in_t *q, *k, *v;
+  const acc_t *g, *beta;
+  const int64_t* cu;  // nullptr when not varlen
+  acc_t scale;
+};
+
+// Loads row `tok, head` of a [tokens, heads, D] input as acc_t.
+template <typename in_t, typename acc_t>
+inline void load_row(const in_t* base, int64_t tok, int64_t heads, int64_t head, int64_t dim,
+                     acc_t* out) {
+  const in_t* src = base + (tok * heads + head) * dim;
+  for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<acc_t>(src[i]);
+}
+
+// Per-step decay factors a = exp(g) for value head hv: one per key channel (K of them) or
+// one broadcast to all K rows.
+template <typename acc_t>
+inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t hv,
+                       acc_t* a) {
+  const int64_t K = p.head_k_dim;
+  if (p.gate_per_channel) {
+    const acc_t* src = g + (tok * p.num_v_heads + hv) * K;
+    for (int64_t i = 0; i < K; ++i) a[i] = std::exp(src[i]);
+  } else {
+    const acc_t e = std::exp(g[tok * p.num_v_heads + hv]);
+    for (int64_t i = 0; i < K; ++i) a[i] = e;
+  }
+}
+
+// One forward step on a K x BV block of S (row stride BV). Writes w = (v - P^T k) restricted
+// to the block into vw (for the backward) and the output block into o.
+template <typename acc_t>
+inline void step(acc_t* __restrict S, int64_t K, int64_t BV, const acc_t* a, const acc_t* kv,
+                 const acc_t* qs, const acc_t* vv, acc_t b, acc_t* __restrict vw,
+                 acc_t* __restrict u, acc_t* __restrict o) {
+  std::fill(vw, vw + BV, acc_t(0));
+  for (int64_t r = 0; r < K; ++r) {  // decay, and w = P^T k (accumulated in vw)
+    acc_t* row = S + r * BV;
+    const acc_t ar = a[r], kr = kv[r];
+    for (int64_t j = 0; j < BV; ++j) {
+      row[j] *= ar;
+      vw[j] += kr * row[j];
+    }
+  }
+  for (int64_t j = 0; j < BV; ++j) {
+    vw[j] = vv[j] - vw[j];
+    u[j] = b * vw[j];
+  }
+  if (o != nullptr) std::fill(o, o + BV, acc_t(0));
+  for (int64_t r = 0; r < K; ++r) {  // rank-1 write, then read out with the scaled q
+    acc_t* row = S + r * BV;
+    const acc_t kr = kv[r], qr = qs[r];
+    if (o != nullptr) {
+      for (int64_t j = 0; j < BV; ++j) {
+        row[j] += kr * u[j];
+        o[j] += qr * row[j];
+      }
+    } else {
+      for (int64_t j = 0; j < BV; ++j) row[j] += kr * u[j];
+    }
+  }
+}
+
+template <typename in_t, typename acc_t>
+void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
+                    in_t* out, acc_t* ht, acc_t* ckpt) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
+  // V-blocks keep the state block in L1 (<= 32 KiB) and give every thread work.
+  const int64_t threads = at::get_num_threads();
+  int64_t BV = V;
+  auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
+  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 32768 || tasks_for(BV) < 2 * threads)) {
+    BV = (BV / 2 + 7) / 8 * 8;
+  }
+  const int64_t nvb = (V + BV - 1) / BV;
+  at::parallel_for(0, p.num_seqs * HV * nvb, 1, [&](int64_t begin, int64_t end) {
+    AccVec<acc_t> S(K * BV), a(K), kv(K), qs(K), vv(BV), vw(BV), u(BV), o(BV);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t vb = task % nvb, hv = (task / nvb) % HV, n = task / (nvb * HV);
+      const int64_t h = hv / p.group(), v0 = vb * BV, bv = std::min(BV, V - v0);
+      int64_t bos, eos;
+      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
+      const int64_t base = gdn_checkpoint_base(n, bos, C);
+      for (int64_t r = 0; r < K; ++r) {
+        for (int64_t j = 0; j < bv; ++j) {
+          S[r * bv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
+        }
+      }
+      for (int64_t tok = bos; tok < eos; ++tok) {
+        if ((tok - bos) % C == 0) {
+          acc_t* dst = ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V + v0;
+          for (int64_t r = 0; r < K; ++r) std::memcpy(dst + r * V, &S[r * bv], bv * sizeof(acc_t));
+        }
+        load_decay(p, in.g, tok, hv, a.data());
+        load_row(in.k, tok, p.num_qk_heads, h, K, kv.data());
+        load_row(in.q, tok, p.num_qk_heads, h, K, qs.data());
+        for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
+        const in_t* vsrc = in.v + (tok * HV + hv) * V + v0;
+        for (int64_t j = 0; j < bv; ++j) vv[j] = static_cast<acc_t>(vsrc[j]);
+        step(S.data(), K, bv, a.data(), kv.data(), qs.data(), vv.data(),
+             in.beta[tok * HV + hv], vw.data(), u.data(), o.data());
+        in_t* odst = out + (tok * HV + hv) * V + v0;
+        for (int64_t j = 0; j < bv; ++j) odst[j] = static_cast<in_t>(o[j]);
+      }
+      acc_t* hdst = ht + (n * HV + hv) * K * V + v0;
+      for (int64_t r = 0; r < K; ++r) std::memcpy(hdst + r * V, &S[r * bv], bv * sizeof(acc_t));
+    }
+  });
+}
+
+template <typename in_t, typename acc_t>
+void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
+                     const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,
+                     acc_t* buf) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
+  const int64_t C = p.chunk, KV = K * V, G = p.group();
+  acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
+  acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
+  acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
+  at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+    // states[i] = S before the chunk's token i (states[0] is the checkpoint).
+    AccVec<acc_t> states((C + 1) * KV), dS(KV), vws(C * V);
+    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), u(V), du(V), dw(V), go(V), dkr(K), dgr(K);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t h = task % H, n = task / H;
+      int64_t bos, eos;
+      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
+      const int64_t base = gdn_checkpoint_base(n, bos, C);
+      const int64_t nchunks = gdn_num_chunks(eos - bos, C);
+      for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
+        if (grad_ht) {
+          std::memcpy(dS.data(), grad_ht + (n * HV + hv) * KV, KV * sizeof(acc_t));
+        } else {
+          std::fill(dS.begin(), dS.end(), acc_t(0));
+        }
+        for (int64_t c = nchunks - 1; c >= 0; --c) {
+          const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
+          std::memcpy(states.data(), ckpt + ((base + c) * HV + hv) * KV, KV * sizeof(acc_t));
+          for (int64_t i = 0; i < len; ++i) {  // recompute the chunk's states
+            const int64_t tok = t0 + i;
+            std::memcpy(&states[(i + 1) * KV], &states[i * KV], KV * sizeof(acc_t));
+            load_decay(p, in.g, tok, hv, a.data());
+            load_row(in.k, tok, H, h, K, kv.data());
+            load_row(in.v, tok, HV, hv, V, vv.data());
+            step<acc_t>(&states[(i + 1) * KV], K, V, a.data(), kv.data(), qs.data(), vv.data(),
+                        in.beta[tok * HV + hv], &vws[i * V], u.data(), nullptr);
+          }
+          for (int64_t i = len - 1; i >= 0; --i) {  // reverse recurrence
+            const int64_t tok = t0 + i;
+            const acc_t* St = &states[(i + 1) * KV];
+            const acc_t* Sp = &states[i * KV];
+            const acc_t* vw = &vws[i * V];
+            const acc_t b = in.beta[tok * HV + hv];
+            load_decay(p, in.g, tok, hv, a.data());
+            load_row(in.k, tok, H, h, K, kv.data());
+            load_row(in.q, tok, H, h, K, qs.data());
+            for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
+            load_row(grad_o, tok, HV, hv, V, go.data());
+            for (int64_t j = 0; j < V; ++j) u[j] = b * vw[j];
+            std::fill(du.begin(), du.end(), acc_t(0));
+            acc_t* dq_row = dq + (tok * H + h) * K;
+            // o_t = S_t^T qs: dS += qs go^T, dq = scale S_t go. S_t = P + k u^T: dk += dS u,
+            // du = dS^T k.
+            for (int64_t r = 0; r < K; ++r) {
+              acc_t* dSr = &dS[r * V];
+              const acc_t qr = qs[r], kr = kv[r];
+              for (int64_t j = 0; j < V; ++j) dSr[j] += qr * go[j];
+              dq_row[r] += in.scale * dot(St + r * V, go.data(), V);
+              dkr[r] = dot(dSr, u.data(), V);
+              for (int64_t j = 0; j < V; ++j) du[j] += kr * dSr[j];
+            }
+            // u = b (v - w): dv = b du, dbeta = du . (v - w), dw = -b du.
+            acc_t* dv_row = dv + (tok * HV + hv) * V;
+            for (int64_t j = 0; j < V; ++j) {
+              dv_row[j] = b * du[j];
+              dw[j] = -b * du[j];
+            }
+            dbeta[tok * HV + hv] = dot(du.data(), vw, V);
+            // w = P^T k: dP = dS + k dw^T, dk += P dw. P = diag(a) S_prev: dg = <dP, P> per
+            // row, and the carried dS becomes diag(a) dP.
+            for (int64_t r = 0; r < K; ++r) {
+              acc_t* dSr = &dS[r * V];
+              const acc_t* Spr = Sp + r * V;
+              const acc_t ar = a[r], kr = kv[r];
+              acc_t* P = u.data();  // u is no longer needed: reuse it for the row of P
+              for (int64_t j = 0; j < V; ++j) {
+                P[j] = ar * Spr[j];
+                dSr[j] += kr * dw[j];
+              }
+              dkr[r] += dot(P, dw.data(), V);
+              dgr[r] = dot(dSr, P, V);
+              for (int64_t j = 0; j < V; ++j) dSr[j] *= ar;
+            }
+            acc_t* dk_row = dk + (tok * H + h) * K;
+            for (int64_t r = 0; r < K; ++r) dk_row[r] += dkr[r];
+            if (p.gate_per_channel) {
+              std::memcpy(dg + (tok * HV + hv) * K, dgr.data(), K * sizeof(acc_t));
+            } else {
+              acc_t s = 0;
+              for (int64_t r = 0; r < K; ++r) s += dgr[r];
+              dg[tok * HV + hv] = s;
+            }
+          }
+        }
+        if (dstate) std::memcpy(dstate + (n * HV + hv) * KV, dS.data(), KV * sizeof(acc_t));
+      }
+    }
+  });
+}
+
+std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return t->contiguous();
+}
+
+template <typename in_t, typename acc_t>
+Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& g, const at::Tensor& beta,
+                              const std::optional<at::Tensor>& cu, double scale) {
+  return Views<in_t, acc_t>{q.data_ptr<in_t>(),    k.data_ptr<in_t>(),
+                            v.data_ptr<in_t>(),    g.data_ptr<acc_t>(),
+                            beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
+                            static_cast<acc_t>(scale)};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
+    int64_t chunk_size) {
+  const GdnProblem p = gdn_check_inputs("rlx::gated_delta_fwd", q_in, k_in, v_in, g_in, beta_in,
+                                        initial_state, cu_seqlens, chunk_size);
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const auto h0 = contiguous_opt(initial_state);
+  const auto cu = contiguous_opt(cu_seqlens);
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  at::Tensor o = at::empty_like(v);
+  at::Tensor ht = at::empty({p.num_seqs, HV, K, V}, q.options().dtype(p.acc_dtype));
+  at::Tensor ckpt =
+      at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
+                q.options().dtype(p.acc_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
+                                  [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    forward_kernel<scalar_t, acc_t>(p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale),
+                                    h0 ? h0->data_ptr<acc_t>() : nullptr,
+                                    o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
+                                    ckpt.data_ptr<acc_t>());
+  });
+  return {o, ht, ckpt};
+}
+
+at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
+                               const at::Tensor& v_in, const at::Tensor& g_in,
+                               const at::Tensor& beta_in, double scale,
+                               const std::optional<at::Tensor>& initial_state,
+                               const std::optional<at::Tensor>& cu_seqlens,
+                               const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
+                               const std::optional<at::Tensor>& grad_final_state,
+                               int64_t chunk_size) {
+  const char* op = "rlx::gated_delta_bwd";
+  const GdnProblem p =
+      gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
+  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
+                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
+                  checkpoints.size(3) == V && checkpoints.scalar_type() == p.acc_dtype,
+              op, ": checkpoints must be the ", p.acc_dtype, " [", slots, ", ", HV, ", ", K, ", ",
+              V, "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
+              checkpoints.scalar_type(), " ", checkpoints.sizes());
+  TORCH_CHECK(grad_o_in.sizes() == v_in.sizes() && grad_o_in.scalar_type() == p.input_dtype, op,
+              ": grad_o must have o's shape ", v_in.sizes(), " and dtype ", p.input_dtype,
+              ", got ", grad_o_in.scalar_type(), " ", grad_o_in.sizes());
+  if (grad_final_state.has_value()) {
+    const at::Tensor& gh = *grad_final_state;
+    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
+                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == p.acc_dtype,
+                op, ": grad_final_state must be ", p.acc_dtype, " [", p.num_seqs, ", ", HV, ", ",
+                K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
+  }
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
+  const auto grad_ht = contiguous_opt(grad_final_state);
+  const auto cu = contiguous_opt(cu_seqlens);
+  const GdnBackwardLayout lay = GdnBackwardLayout::make(
+      p.batch, p.seq_len, p.num_qk_heads, HV, K, V, p.num_seqs, p.gate_per_channel,
+      p.has_initial_state);
+  // Zeroed: dq/dk accumulate over the value heads of a group.
+  at::Tensor buf = at::zeros({lay.total}, q.options().dtype(p.acc_dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_bwd",
+                                  [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    backward_kernel<scalar_t, acc_t>(
+        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale), ckpt.data_ptr<acc_t>(),
+        grad_o.data_ptr<scalar_t>(), grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr, lay,
+        buf.data_ptr<acc_t>());
+  });
+  return buf;
+}
+
+// [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]
+std::vector<int64_t> gated_delta_bwd_layout(int64_t batch, int64_t seq_len, int64_t num_qk_heads,
+                                            int64_t num_v_heads, int64_t head_k_dim,
+                                            int64_t head_v_dim, int64_t num_states,
+                                            bool gate_per_channel, bool has_initial_state) {
+  const GdnBackwardLayout l =
+      GdnBackwardLayout::make(batch, seq_len, num_qk_heads, num_v_heads, head_k_dim, head_v_dim,
+                              num_states, gate_per_channel, has_initial_state);
+  std::vector<int64_t> out;
+  for (const GdnSlice& s : {l.dq, l.dk, l.dv, l.dg, l.dbeta, l.dstate}) {
+    out.push_back(s.offset);
+    out.push_back(s.numel);
+  }
+  out.push_back(l.total);
+  return out;
+}
+
+int64_t gated_delta_checkpoint_slots(int64_t num_seqs, int64_t total_tokens,
+                                     int64_t chunk_size) {
+  TORCH_CHECK(chunk_size >= 1, "rlx::gated_delta_checkpoint_slots: chunk_size must be >= 1");
+  return gdn_checkpoint_slots(num_seqs, total_tokens, chunk_size);
+}
+
+}  // namespace
+}  // namespace rlx
+
+TORCH_LIBRARY_IMPL(rlx, CPU, m) {
+  m.impl("gated_delta_fwd", &rlx::gated_delta_fwd_cpu);
+  m.impl("gated_delta_bwd", &rlx::gated_delta_bwd_cpu);
+}
+
+// Shape arithmetic only (no tensors): one kernel for every backend.
+TORCH_LIBRARY_IMPL(rlx, CompositeImplicitAutograd, m) {
+  m.impl("gated_delta_bwd_layout", &rlx::gated_delta_bwd_layout);
+  m.impl("gated_delta_checkpoint_slots", &rlx::gated_delta_checkpoint_slots);
+}

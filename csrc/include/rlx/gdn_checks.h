@@ -1,0 +1,142 @@
+// Input validation of the gated delta rule ops, shared by every backend's host code so
+// that all of them reject bad input with the same messages (which name the argument).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+
+#include "rlx/gdn_backward_layout.h"
+
+namespace rlx {
+
+struct GdnProblem {
+  int64_t batch = 0, seq_len = 0, num_qk_heads = 0, num_v_heads = 0;
+  int64_t head_k_dim = 0, head_v_dim = 0;
+  int64_t num_seqs = 0;  // N: B, or len(cu_seqlens) - 1
+  int64_t chunk = kGdnDefaultChunk;
+  bool gate_per_channel = false, varlen = false, has_initial_state = false;
+  at::ScalarType input_dtype = at::kFloat;  // q, k, v, o
+  at::ScalarType acc_dtype = at::kFloat;    // g, beta, states, gradients buffer
+  int64_t group() const { return num_v_heads / num_qk_heads; }
+  int64_t tokens() const { return batch * seq_len; }
+};
+
+inline at::ScalarType gdn_acc_dtype(at::ScalarType input) {
+  return input == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// Checks shapes, dtypes, devices and cu_seqlens' values (reading them: one host copy when
+// they live on an accelerator). Returns the problem sizes.
+inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at::Tensor& k,
+                                   const at::Tensor& v, const at::Tensor& g,
+                                   const at::Tensor& beta,
+                                   const std::optional<at::Tensor>& initial_state,
+                                   const std::optional<at::Tensor>& cu_seqlens,
+                                   int64_t chunk_size) {
+  GdnProblem p;
+  TORCH_CHECK(q.dim() == 4, op, ": q must be [B, T, H, K], got a ", q.dim(), "-D tensor ",
+              q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), op, ": k must have q's shape [B, T, H, K] = ", q.sizes(),
+              ", got ", k.sizes());
+  TORCH_CHECK(v.dim() == 4, op, ": v must be [B, T, HV, V], got a ", v.dim(), "-D tensor ",
+              v.sizes());
+  p.batch = q.size(0);
+  p.seq_len = q.size(1);
+  p.num_qk_heads = q.size(2);
+  p.head_k_dim = q.size(3);
+  p.num_v_heads = v.size(2);
+  p.head_v_dim = v.size(3);
+  TORCH_CHECK(v.size(0) == p.batch && v.size(1) == p.seq_len, op,
+              ": v must share q's batch and time sizes (B, T) = (", p.batch, ", ", p.seq_len,
+              "), got v ", v.sizes());
+  TORCH_CHECK(p.num_qk_heads >= 1 && p.num_v_heads >= 1 && p.num_v_heads % p.num_qk_heads == 0,
+              op, ": the value heads HV = ", p.num_v_heads,
+              " must be a positive multiple of the q/k heads H = ", p.num_qk_heads);
+  TORCH_CHECK(p.head_k_dim >= 1 && p.head_k_dim <= 256, op,
+              ": the key head dim K must be in [1, 256], got ", p.head_k_dim);
+  TORCH_CHECK(p.head_v_dim >= 1 && p.head_v_dim <= 256, op,
+              ": the value head dim V must be in [1, 256], got ", p.head_v_dim);
+  const bool g_head = g.dim() == 3 && g.size(0) == p.batch && g.size(1) == p.seq_len &&
+                      g.size(2) == p.num_v_heads;
+  const bool g_chan = g.dim() == 4 && g.size(0) == p.batch && g.size(1) == p.seq_len &&
+                      g.size(2) == p.num_v_heads && g.size(3) == p.head_k_dim;
+  TORCH_CHECK(g_head || g_chan, op, ": g must be [B, T, HV] = [", p.batch, ", ", p.seq_len, ", ",
+              p.num_v_heads, "] (per-head gate) or [B, T, HV, K] = [", p.batch, ", ",
+              p.seq_len, ", ", p.num_v_heads, ", ", p.head_k_dim,
+              "] (per-channel gate), got ", g.sizes());
+  p.gate_per_channel = g_chan;
+  TORCH_CHECK(beta.dim() == 3 && beta.size(0) == p.batch && beta.size(1) == p.seq_len &&
+                  beta.size(2) == p.num_v_heads,
+              op, ": beta must be [B, T, HV] = [", p.batch, ", ", p.seq_len, ", ", p.num_v_heads,
+              "], got ", beta.sizes());
+
+  p.input_dtype = q.scalar_type();
+  TORCH_CHECK(p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16 ||
+                  p.input_dtype == at::kFloat || p.input_dtype == at::kDouble,
+              op, ": q must be float16, bfloat16, float32 or float64, got ", p.input_dtype);
+  TORCH_CHECK(k.scalar_type() == p.input_dtype && v.scalar_type() == p.input_dtype, op,
+              ": q, k and v must share one dtype, got q ", p.input_dtype, ", k ",
+              k.scalar_type(), ", v ", v.scalar_type());
+  p.acc_dtype = gdn_acc_dtype(p.input_dtype);
+  TORCH_CHECK(g.scalar_type() == p.acc_dtype && beta.scalar_type() == p.acc_dtype, op,
+              ": g and beta must be ", p.acc_dtype, " (the accumulation dtype for ",
+              p.input_dtype, " inputs), got g ", g.scalar_type(), ", beta ",
+              beta.scalar_type());
+  for (const at::Tensor* t : {&k, &v, &g, &beta}) {
+    TORCH_CHECK(t->device() == q.device(), op, ": all inputs must be on q's device ",
+                q.device(), ", got one on ", t->device());
+  }
+  TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size);
+  p.chunk = chunk_size;
+
+  p.num_seqs = p.batch;
+  if (cu_seqlens.has_value()) {
+    const at::Tensor& cu = *cu_seqlens;
+    p.varlen = true;
+    TORCH_CHECK(cu.dim() == 1 && cu.numel() >= 2 && cu.scalar_type() == at::kLong, op,
+                ": cu_seqlens must be a 1-D int64 tensor [N + 1] with N >= 1, got ",
+                cu.scalar_type(), " ", cu.sizes());
+    TORCH_CHECK(p.batch == 1, op, ": cu_seqlens packs sequences along T, so B must be 1, got B = ",
+                p.batch);
+    const at::Tensor host = cu.to(at::kCPU).contiguous();
+    const int64_t* c = host.data_ptr<int64_t>();
+    const int64_t n = host.numel();
+    TORCH_CHECK(c[0] == 0, op, ": cu_seqlens must start at 0, got ", c[0]);
+    for (int64_t i = 1; i < n; ++i) {
+      TORCH_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must be non-decreasing, got ", c[i - 1],
+                  " then ", c[i], " at index ", i);
+    }
+    TORCH_CHECK(c[n - 1] == p.seq_len, op, ": cu_seqlens must end at T = ", p.seq_len, ", got ",
+                c[n - 1]);
+    p.num_seqs = n - 1;
+  }
+  if (initial_state.has_value()) {
+    const at::Tensor& h0 = *initial_state;
+    p.has_initial_state = true;
+    TORCH_CHECK(h0.dim() == 4 && h0.size(0) == p.num_seqs && h0.size(1) == p.num_v_heads &&
+                    h0.size(2) == p.head_k_dim && h0.size(3) == p.head_v_dim,
+                op, ": initial_state must be [N, HV, K, V] = [", p.num_seqs, ", ", p.num_v_heads,
+                ", ", p.head_k_dim, ", ", p.head_v_dim, "], got ", h0.sizes());
+    TORCH_CHECK(h0.scalar_type() == p.acc_dtype, op, ": initial_state must be ", p.acc_dtype,
+                ", got ", h0.scalar_type());
+    TORCH_CHECK(h0.device() == q.device(), op, ": initial_state must be on q's device ",
+                q.device(), ", got ", h0.device());
+  }
+  return p;
+}
+
+// Sequence boundaries [bos, eos) in packed token indices (b * T + t).
+inline void gdn_sequence_bounds(const GdnProblem& p, const int64_t* cu, int64_t n, int64_t* bos,
+                                int64_t* eos) {
+  if (cu != nullptr) {
+    *bos = cu[n];
+    *eos = cu[n + 1];
+  } else {
+    *bos = n * p.seq_len;
+    *eos = *bos + p.seq_len;
+  }
+}
+
+}  // namespace rlx

@@ -1,0 +1,210 @@
+"""Gated delta rule (Gated DeltaNet and Kimi Delta Attention), fla-compatible.
+
+Per (sequence, value head hv), with q/k head ``h = hv // (HV // H)`` and state
+``S in R^{K x V}`` (float32; float64 for float64 inputs)::
+
+    S <- exp(g_t) * S            (per-channel gate: diag(exp(g_t)) @ S)
+    u  = beta_t * (v_t - S^T k_t)
+    S <- S + k_t u^T
+    o_t = scale * S^T q_t
+
+Public entry: :func:`gated_delta_rule`. It runs an ``autograd.Function`` whose forward and
+backward call the native ops below.
+
+Op contracts (schemas in ``csrc/ops.cpp``; packed layouts in
+``csrc/include/rlx/gdn_backward_layout.h``). ``acc`` is float64 for float64 inputs, else
+float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when varlen).
+
+``rlx::gated_delta_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64)
+-> (o, final_state, checkpoints)``
+    q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV % H == 0, 1 <= K, V <= 256), all one dtype
+    (float16, bfloat16, float32, float64). g ``[B, T, HV]`` or ``[B, T, HV, K]`` and beta
+    ``[B, T, HV]`` in acc. initial_state ``[N, HV, K, V]`` acc or None (zeros). cu_seqlens
+    int64 ``[N + 1]``, from 0, non-decreasing, ending at T, requires B = 1; else N = B.
+    Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
+    checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
+    sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
+    ``n + bos_n // C + j``. Other slots are unspecified.
+
+``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
+grad_o, grad_final_state, chunk_size=64) -> packed``
+    Same inputs as the forward plus its checkpoints, grad_o (o's shape and dtype) and
+    grad_final_state (``[N, HV, K, V]`` acc, or None for zero). Returns one flat acc buffer:
+    dq ``[B,T,H,K]``, dk ``[B,T,H,K]``, dv ``[B,T,HV,V]``, dg (g's shape), dbeta ``[B,T,HV]``,
+    then d_initial_state ``[N,HV,K,V]`` when initial_state is given. Offsets come from
+    ``rlx::gated_delta_bwd_layout`` (the C++ GdnBackwardLayout), never from Python
+    arithmetic. (The op returns the buffer rather than views into it because custom-op
+    outputs must not alias each other under torch.compile.)
+
+``rlx::gated_delta_bwd_layout(B, T, H, HV, K, V, N, gate_per_channel, has_initial_state)
+-> [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]``
+``rlx::gated_delta_checkpoint_slots(N, tokens, chunk_size) -> int``
+"""
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import _disable_current_modes
+
+__all__ = ["gated_delta_rule", "l2norm"]
+
+_SLICES = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+L2NORM_EPS = 1e-6
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@functools.lru_cache(maxsize=256)
+def _bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state):
+    # Shape arithmetic from the C++ header, run eagerly even while tracing (it takes no
+    # tensors), so the traced graph only sees the resulting constant offsets.
+    with _disable_current_modes():
+        flat = torch.ops.rlx.gated_delta_bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state)
+    layout = {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(_SLICES)}
+    layout["total"] = flat[-1]
+    return layout
+
+
+@functools.lru_cache(maxsize=256)
+def _checkpoint_slots(N, tokens, chunk_size):
+    with _disable_current_modes():
+        return torch.ops.rlx.gated_delta_checkpoint_slots(N, tokens, chunk_size)
+
+
+def _num_states(q, cu_seqlens):
+    return int(cu_seqlens.shape[0]) - 1 if cu_seqlens is not None else int(q.shape[0])
+
+
+@torch.library.register_fake("rlx::gated_delta_fwd")
+def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64):
+    B, T, _, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    N = _num_states(q, cu_seqlens)
+    acc = _acc_dtype(q.dtype)
+    slots = _checkpoint_slots(N, int(B) * int(T), int(chunk_size))
+    o = v.new_empty(v.shape)
+    final_state = q.new_empty((N, HV, K, V), dtype=acc)
+    checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
+    return o, final_state, checkpoints
+
+
+@torch.library.register_fake("rlx::gated_delta_bwd")
+def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints, grad_o,
+              grad_final_state, chunk_size=64):
+    layout = _layout_for(q, v, g, initial_state, cu_seqlens)
+    return q.new_empty((layout["total"],), dtype=_acc_dtype(q.dtype))
+
+
+def _layout_for(q, v, g, initial_state, cu_seqlens):
+    B, T, H, K = (int(s) for s in q.shape)
+    HV, V = int(v.shape[2]), int(v.shape[3])
+    return _bwd_layout(B, T, H, HV, K, V, _num_states(q, cu_seqlens), g.dim() == 4,
+                       initial_state is not None)
+
+
+def unpack_gradients(packed, q, v, g, initial_state, cu_seqlens):
+    """Views of ``rlx::gated_delta_bwd``'s packed buffer: (dq, dk, dv, dg, dbeta, dstate)."""
+    layout = _layout_for(q, v, g, initial_state, cu_seqlens)
+    N = _num_states(q, cu_seqlens)
+    shapes = {
+        "dq": q.shape, "dk": q.shape, "dv": v.shape, "dg": g.shape, "dbeta": g.shape[:3],
+        "dstate": (N, v.shape[2], q.shape[3], v.shape[3]),
+    }
+    views = []
+    for name in _SLICES:
+        offset, numel = layout[name]
+        if name == "dstate" and initial_state is None:
+            views.append(None)
+        else:
+            views.append(packed.narrow(0, offset, numel).view(shapes[name]))
+    return tuple(views)
+
+
+class GatedDeltaRuleFunction(torch.autograd.Function):
+    """Differentiable ``(o, final_state) = f(q, k, v, g, beta, initial_state)``; g, beta and
+    initial_state already in the accumulation dtype."""
+
+    @staticmethod
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size):
+        o, final_state, checkpoints = torch.ops.rlx.gated_delta_fwd(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
+        return o, final_state, checkpoints
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size = inputs
+        ctx.scale, ctx.chunk_size = scale, chunk_size
+        ctx.has_state = initial_state is not None
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, output[2])
+        ctx.mark_non_differentiable(output[2])
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state, _grad_checkpoints):
+        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
+        if grad_o is None:
+            grad_o = torch.zeros_like(v)
+        packed = torch.ops.rlx.gated_delta_bwd(
+            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints,
+            grad_o.to(v.dtype), grad_final_state, ctx.chunk_size)
+        dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
+                                                         cu_seqlens)
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dbeta, None, dstate,
+                None, None)
+
+
+def l2norm(x, eps=L2NORM_EPS):
+    """fla's l2norm: ``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (float64 for
+    float64 input) and returned in x's dtype."""
+    xf = x.to(_acc_dtype(x.dtype))
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _as_acc(name, t, acc, required=True):
+    if t is None and not required:
+        return None
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+        got = t.dtype if isinstance(t, torch.Tensor) else type(t).__name__
+        raise TypeError(f"gated_delta_rule: {name} must be a floating-point tensor, got {got}")
+    return t.to(acc)
+
+
+def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, *,
+                     chunk_size=64):
+    """Gated delta rule, forward and backward natively (fla's ``chunk_gated_delta_rule``
+    semantics).
+
+    Args:
+        q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]``, HV a multiple of H (value head hv
+            reads q/k head ``hv // (HV // H)``). One dtype: float16, bfloat16, float32 or
+            float64.
+        g: log-space decay, ``[B, T, HV]`` (one per head, Gated DeltaNet) or
+            ``[B, T, HV, K]`` (one per key channel, KDA).
+        beta: ``[B, T, HV]``, in (0, 1).
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, HV, K, V]`` (cast to float32; float64 for float64 inputs).
+        output_final_state: also return the final state ``[N, HV, K, V]``.
+        cu_seqlens: int64 ``[N + 1]`` packing N sequences along T (requires B = 1); the
+            state resets at every boundary.
+        use_qk_l2norm: L2-normalize q and k over K first (fla's eps 1e-6), differentiably.
+        chunk_size: checkpoint interval of the forward (memory O(T / chunk_size * K * V)).
+
+    Returns:
+        ``(o, final_state or None)``; o has v's shape and dtype; state math is float32.
+    """
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+        raise TypeError("gated_delta_rule: q, k and v must be tensors")
+    if q.dim() != 4:
+        raise ValueError(f"gated_delta_rule: q must be [B, T, H, K], got shape {tuple(q.shape)}")
+    acc = _acc_dtype(q.dtype)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    if use_qk_l2norm:
+        q, k = l2norm(q), l2norm(k)
+    g, beta = _as_acc("g", g, acc), _as_acc("beta", beta, acc)
+    initial_state = _as_acc("initial_state", initial_state, acc, required=False)
+    o, final_state, _ = GatedDeltaRuleFunction.apply(
+        q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size))
+    return o, (final_state if output_final_state else None)
