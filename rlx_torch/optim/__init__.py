@@ -1,1 +1,14 @@
-"""Optimizers."""
+"""Optimizers: Muon (with its AdamW side) and the conventional param-group split."""
+
+from .muon import Muon
+from .newton_schulz import KELLER, POLAR_EXPRESS, newton_schulz, resolve_schedule
+from .param_groups import muon_param_groups
+
+__all__ = [
+    "KELLER",
+    "POLAR_EXPRESS",
+    "Muon",
+    "muon_param_groups",
+    "newton_schulz",
+    "resolve_schedule",
+]

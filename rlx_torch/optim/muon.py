@@ -1,0 +1,304 @@
+"""Muon (momentum + Newton–Schulz orthogonalization) with an AdamW side, for a whole model.
+
+Matches `torch.optim.Muon` when configured alike (Keller coefficients, `adjust_lr_fn="original"`,
+`ns_dtype=torch.bfloat16`), and goes beyond it:
+- same-shape matrices of a group are orthogonalized together, one batched Newton–Schulz;
+- >= 2-D params: conv weights flattened to `[out, in*kh*kw]`, 3-D `[E, m, n]` as E matrices;
+- `use_muon=False` groups are updated with AdamW by the same optimizer;
+- coefficient presets (Keller, Polar Express), configurable NS dtype;
+- `step()` never writes `p.grad`, never lets a momentum buffer alias the NS input, and makes no
+  host-device synchronisation (no `.item()`, no Python branching on tensor values).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .newton_schulz import newton_schulz, resolve_schedule
+
+ADJUST_LR_FNS = ("original", "match_rms_adamw", None)
+ND_MODES = ("auto", "flatten", "batch")
+# Upper bound on the elements stacked into one batched Newton–Schulz: bounds the optimizer's
+# transient memory (a few copies of the batch) on very large models without costing speed
+# (a batch this size already saturates any GPU).
+MAX_BATCH_ELEMENTS = 1 << 28
+
+
+def matrix_view(shape: torch.Size, nd_mode: str) -> tuple[int, int, int]:
+    """(count, rows, cols): how a Muon param of `shape` is seen as `count` matrices."""
+    if len(shape) == 2:
+        return 1, shape[0], shape[1]
+    if nd_mode == "flatten" or (nd_mode == "auto" and len(shape) >= 4):
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+def lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
+    """Per-shape learning-rate multiplier giving rectangular updates a consistent size."""
+    if adjust_lr_fn == "original":  # Keller Jordan: sqrt(max(1, rows/cols))
+        return math.sqrt(max(1.0, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":  # Moonlight: update RMS ~ 0.2, like AdamW's
+        return 0.2 * math.sqrt(max(rows, cols))
+    return 1.0
+
+
+def default_ns_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
+    """bfloat16 on CUDA (tensor cores, error well inside what NS tolerates); float32 elsewhere:
+    CPU GEMMs lose less to fp32 than GPUs do, and on MPS bf16 is emulated on M1/M2 and was
+    measured slower than fp32 on newer chips. float64 params on CPU keep float64."""
+    if device.type == "cuda":
+        return torch.bfloat16
+    if device.type == "cpu" and param_dtype == torch.float64:
+        return torch.float64
+    return torch.float32
+
+
+def _host_scalar(value):
+    # A CPU tensor lr (LR schedulers may keep one) is read on the host: no device sync.
+    # A device tensor lr stays a tensor and enters the arithmetic on the device.
+    if isinstance(value, Tensor) and value.device.type == "cpu":
+        return value.item()
+    return value
+
+
+def _check_nonnegative(name: str, value, tensor_ok: bool = False) -> None:
+    if tensor_ok and isinstance(value, Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"{name}: a Tensor {name} must have one element, got {value.numel()}")
+        return  # not read back here: that would synchronise
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if not value >= 0.0:  # also catches NaN
+        raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+class Muon(Optimizer):
+    r"""Muon for matrix params, AdamW for the rest, in one optimizer. See docs/optim.md.
+
+    Args:
+        params: params or param groups. A group with ``use_muon=False`` is updated with AdamW
+            (decoupled weight decay); :func:`muon_param_groups` builds the conventional split.
+        lr: learning rate (default 0.02; AdamW groups normally set their own, e.g. 3e-4).
+        momentum: EMA factor of the momentum buffer (default 0.95).
+        nesterov: use the Nesterov look-ahead ``lerp(g, buf, momentum)`` (default True).
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (default 0).
+        ns_steps: Newton–Schulz iterations (default 5).
+        ns_coefficients: ``"keller"`` (3.4445, -4.7750, 2.0315), ``"polar_express"`` (5-step
+            schedule, normaliser safety 1.02), one ``(a, b, c)`` or a list of per-step triples;
+            a list shorter than ``ns_steps`` repeats its last triple (default "keller").
+        adjust_lr_fn: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
+            0.2*sqrt(max(rows, cols)), or None for no adjustment (default "original").
+        ns_dtype: dtype of the Newton–Schulz matmuls; None picks bfloat16 on CUDA and float32
+            on CPU and MPS (float64 params on CPU: float64) (default None).
+        eps: lower clamp of the Frobenius norm that normalises the NS input (default 1e-7).
+        adamw_betas: AdamW (beta1, beta2) for ``use_muon=False`` groups (default (0.9, 0.95)).
+        adamw_eps: AdamW epsilon (default 1e-8).
+        nd_mode: how > 2-D Muon params become matrices: ``"auto"`` (3-D = batch of matrices,
+            >= 4-D flattened to ``[shape[0], -1]``), ``"flatten"`` or ``"batch"`` (all leading
+            dims are batch) (default "auto"). Settable per group.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | Tensor = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients="keller",
+        adjust_lr_fn: str | None = "original",
+        ns_dtype: torch.dtype | None = None,
+        eps: float = 1e-7,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        nd_mode: str = "auto",
+    ) -> None:
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            weight_decay=weight_decay,
+            ns_steps=ns_steps,
+            ns_coefficients=ns_coefficients,
+            adjust_lr_fn=adjust_lr_fn,
+            ns_dtype=ns_dtype,
+            eps=eps,
+            adamw_betas=adamw_betas,
+            adamw_eps=adamw_eps,
+            nd_mode=nd_mode,
+            use_muon=True,
+        )
+        self._validate_hyperparameters(defaults)
+        super().__init__(params, defaults)
+
+    # ---- validation ----
+
+    @staticmethod
+    def _validate_hyperparameters(group: dict) -> None:
+        _check_nonnegative("lr", group["lr"], tensor_ok=True)
+        _check_nonnegative("momentum", group["momentum"])
+        _check_nonnegative("weight_decay", group["weight_decay"])
+        if not group["momentum"] < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {group['momentum']}")
+        if not (isinstance(group["eps"], int | float) and group["eps"] > 0.0):
+            raise ValueError(f"eps must be a number > 0, got {group['eps']!r}")
+        resolve_schedule(group["ns_coefficients"], group["ns_steps"])  # raises ValueError
+        if group["adjust_lr_fn"] not in ADJUST_LR_FNS:
+            raise ValueError(
+                f"adjust_lr_fn must be one of {ADJUST_LR_FNS}, got {group['adjust_lr_fn']!r}"
+            )
+        ns_dtype = group["ns_dtype"]
+        if ns_dtype is not None and not (
+            isinstance(ns_dtype, torch.dtype) and ns_dtype.is_floating_point
+        ):
+            raise ValueError(f"ns_dtype must be None or a floating torch.dtype, got {ns_dtype!r}")
+        if group["nd_mode"] not in ND_MODES:
+            raise ValueError(f"nd_mode must be one of {ND_MODES}, got {group['nd_mode']!r}")
+        betas = group["adamw_betas"]
+        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {betas!r}")
+        if not group["adamw_eps"] >= 0.0:
+            raise ValueError(f"adamw_eps must be >= 0, got {group['adamw_eps']!r}")
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        self._validate_hyperparameters(group)
+        for i, p in enumerate(group["params"]):
+            if p.is_complex():
+                raise ValueError(f"Muon does not support complex parameters (param {i})")
+            if group["use_muon"] and p.ndim < 2:
+                raise ValueError(
+                    f"param {i} of a Muon group has shape {tuple(p.shape)}: Muon orthogonalizes "
+                    "matrices (>= 2 dims). Put 0-D/1-D params (biases, norms) in a group with "
+                    "use_muon=False (AdamW), e.g. with rlx_torch.optim.muon_param_groups(model)."
+                )
+
+    # ---- step ----
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step; `closure` re-evaluates the model and returns the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["use_muon"]:
+                self._muon_step(group)
+            else:
+                self._adamw_step(group)
+        return loss
+
+    def _params_with_grad(self, group: dict):
+        for p in group["params"]:
+            if p.grad is None or p.numel() == 0:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            yield p
+
+    def _muon_step(self, group: dict) -> None:
+        schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
+        # Same matrix shape, dtype and device -> one batched Newton–Schulz.
+        batches: dict[tuple, list[Tensor]] = defaultdict(list)
+        for p in self._params_with_grad(group):
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            count, rows, cols = matrix_view(p.shape, group["nd_mode"])
+            batches[(rows, cols, p.dtype, p.device)].append(p)
+        for (rows, cols, dtype, device), params in batches.items():
+            for chunk in _chunks(params):
+                self._muon_batch(group, schedule, chunk, rows, cols, dtype, device)
+
+    def _muon_batch(self, group, schedule, params, rows, cols, dtype, device) -> None:
+        lr = _host_scalar(group["lr"])
+        momentum, weight_decay = group["momentum"], group["weight_decay"]
+        grads = [p.grad for p in params]
+        bufs = [self.state[p]["momentum_buffer"] for p in params]
+
+        torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
+        # Nesterov: (1 - mu) g + mu buf, into new tensors (p.grad is never written).
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        # cat copies, so the NS input never aliases a momentum buffer.
+        stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
+        ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
+        ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
+        # One pass: back to the param dtype, contiguous in the param's [rows, cols] layout.
+        delta = torch.empty(stacked.shape, dtype=dtype, device=device)
+        delta.copy_(ortho)
+
+        scale = lr_scale(group["adjust_lr_fn"], rows, cols)
+        if isinstance(lr, Tensor):
+            if weight_decay != 0.0:
+                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+            delta.mul_(lr * -scale)
+            alpha = 1.0
+        else:
+            if weight_decay != 0.0:
+                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+            alpha = -lr * scale
+        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
+        pieces = [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
+        torch._foreach_add_(params, pieces, alpha=alpha)
+
+    def _adamw_step(self, group: dict) -> None:
+        per_device = defaultdict(list)
+        for p in self._params_with_grad(group):
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            per_device[(p.device, p.dtype)].append(p)
+        for params in per_device.values():
+            self._adamw_update(group, params)
+
+    def _adamw_update(self, group: dict, params: list[Tensor]) -> None:
+        # Same arithmetic as torch.optim.AdamW(foreach=True), so the two agree bit for bit.
+        lr = _host_scalar(group["lr"])
+        beta1, beta2 = group["adamw_betas"]
+        weight_decay, eps = group["weight_decay"], group["adamw_eps"]
+        grads = [p.grad for p in params]
+        states = [self.state[p] for p in params]
+        exp_avgs = [s["exp_avg"] for s in states]
+        exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+
+        if weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+
+        bias_c1 = [1.0 - beta1 ** s["step"] for s in states]
+        bias_c2_sqrt = [math.sqrt(1.0 - beta2 ** s["step"]) for s in states]
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_c2_sqrt)
+        torch._foreach_add_(denom, eps)
+        if isinstance(lr, Tensor):
+            steps = torch._foreach_div(exp_avgs, denom)
+            for p, step_dir, bc1 in zip(params, steps, bias_c1, strict=True):
+                p.add_(step_dir * (lr / -bc1))
+        else:
+            torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / bc1 for bc1 in bias_c1])
+
+
+def _chunks(params: list[Tensor]):
+    """Splits same-shape params into runs of at most MAX_BATCH_ELEMENTS (>= 1 param each)."""
+    chunk, size = [], 0
+    for p in params:
+        if chunk and size + p.numel() > MAX_BATCH_ELEMENTS:
+            yield chunk
+            chunk, size = [], 0
+        chunk.append(p)
+        size += p.numel()
+    if chunk:
+        yield chunk

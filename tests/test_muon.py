@@ -1,0 +1,542 @@
+"""rlx_torch.optim.Muon: parity with torch.optim.Muon, batching, shapes, AdamW side, edge cases."""
+
+import copy
+import io
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import rlx_torch
+from rlx_torch.optim import Muon, muon_param_groups, newton_schulz, resolve_schedule
+from rlx_torch.optim import muon as muon_module
+
+KELLER = (3.4445, -4.7750, 2.0315)
+
+
+def reference_ns(G, coefficients, eps=1e-7, safety=1.0):
+    """Plain per-matrix Newton–Schulz in float64 (the test oracle)."""
+    X = G.double()
+    if X.shape[0] > X.shape[1]:
+        return reference_ns(G.mT, coefficients, eps, safety).mT
+    X = X / max(X.norm().item() * safety, eps)
+    for a, b, c in coefficients:
+        A = X @ X.T
+        X = a * X + (b * A + c * A @ A) @ X
+    return X
+
+
+def small_mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32, bias=False),
+        nn.Tanh(),
+        nn.Linear(32, 24, bias=False),
+        nn.Tanh(),
+        nn.Linear(24, 8, bias=False),
+    )
+
+
+def train(net, opt, steps, x, y):
+    for _ in range(steps):
+        opt.zero_grad()
+        ((net(x) - y) ** 2).mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in net.parameters()]
+
+
+# ---- parity with torch.optim.Muon ----
+
+
+def test_trajectory_matches_torch_muon_within_bf16_tolerance():
+    torch.manual_seed(1)
+    x, y = torch.randn(64, 16), torch.randn(64, 8)
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
+    start = [p.detach().clone() for p in small_mlp().parameters()]
+
+    net = small_mlp()
+    theirs = train(net, torch.optim.Muon(net.parameters(), adjust_lr_fn="original",
+                                         ns_coefficients=KELLER, **settings), 20, x, y)
+
+    def ours(**overrides):
+        net = small_mlp()
+        kw = dict(settings, ns_dtype=torch.bfloat16, ns_coefficients="keller",
+                  adjust_lr_fn="original")
+        kw.update(overrides)
+        return train(net, Muon(net.parameters(), **kw), 20, x, y)
+
+    # bf16 Newton–Schulz amplifies last-bit differences (normalisation order, norm precision)
+    # through 20 steps of training: a torch run with its grads perturbed by 2^-8 moves about
+    # 5% of the displacement. Allow 6% of each matrix's total displacement.
+    def max_rel_gap(a_params):
+        return max(
+            ((a - b).abs().max() / (b - s).abs().max()).item()
+            for a, b, s in zip(a_params, theirs, start, strict=True)
+        )
+
+    assert max_rel_gap(ours()) < 0.06
+    # The tolerance is tight enough to see a real difference in settings.
+    assert max_rel_gap(ours(nesterov=False)) > 0.06
+    assert max_rel_gap(ours(adjust_lr_fn="match_rms_adamw")) > 0.06
+
+
+def test_adamw_side_matches_torch_adamw_exactly():
+    torch.manual_seed(0)
+    params = [torch.randn(7), torch.randn(3, 5), torch.randn(())]
+    mine = [p.clone().requires_grad_() for p in params]
+    theirs = [p.clone().requires_grad_() for p in params]
+    opt = Muon([dict(params=mine, use_muon=False, lr=3e-3, weight_decay=0.05)],
+               adamw_betas=(0.8, 0.97), adamw_eps=1e-6)
+    ref = torch.optim.AdamW(theirs, lr=3e-3, betas=(0.8, 0.97), eps=1e-6, weight_decay=0.05,
+                            foreach=True)
+    for step in range(8):
+        grads = [torch.randn_like(p) * (step + 1) for p in params]
+        for ps, o in ((mine, opt), (theirs, ref)):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g.clone()
+            o.step()
+    for a, b in zip(mine, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# ---- Newton–Schulz ----
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (3, 5), (17, 17), (2, 9, 4), (0, 4, 4)])
+def test_batched_newton_schulz_matches_per_matrix_reference(shape):
+    G = torch.randn(*shape, dtype=torch.float64)
+    steps = resolve_schedule("keller", 5)
+    out = newton_schulz(G, steps, 1e-7, torch.float64)
+    assert out.shape == G.shape and out.dtype == torch.float64
+    mats = G.reshape(-1, *shape[-2:])
+    for i, m in enumerate(mats):
+        torch.testing.assert_close(out.reshape(-1, *shape[-2:])[i], reference_ns(m, [KELLER] * 5))
+
+
+@pytest.mark.parametrize("preset, low, high", [("keller", 0.6, 1.2), ("polar_express", 0.8, 1.2)])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_newton_schulz_orthogonalizes(preset, low, high, dtype):
+    G = torch.randn(4, 24, 40)
+    sv = torch.linalg.svdvals(newton_schulz(G, resolve_schedule(preset, 5), 1e-7, dtype).double())
+    assert low < sv.min() and sv.max() < high, (sv.min(), sv.max())
+
+
+def test_coefficient_schedules():
+    assert resolve_schedule("keller", 3).coefficients == (KELLER,) * 3
+    pe = resolve_schedule("polar_express", 7)
+    assert len(pe.coefficients) == 7 and pe.safety == 1.02
+    assert pe.coefficients[5] == pe.coefficients[6] == pe.coefficients[4]
+    assert pe.coefficients[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    custom = resolve_schedule([(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], 3)
+    assert custom.coefficients == ((3.0, -3.0, 1.0), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5))
+    assert resolve_schedule((1.5, -0.5, 0.0), 2).coefficients == ((1.5, -0.5, 0.0),) * 2
+    assert resolve_schedule("polar_express", 2).coefficients == pe.coefficients[:2]
+
+
+def test_polar_express_step_matches_reference_with_safety_factor():
+    p = nn.Parameter(torch.randn(6, 10, dtype=torch.float64))
+    start = p.detach().clone()
+    p.grad = torch.randn_like(p)
+    Muon([p], lr=0.1, ns_coefficients="polar_express", nesterov=False, momentum=0.0).step()
+    expected = reference_ns(p.grad, resolve_schedule("polar_express", 5).coefficients,
+                            safety=1.02)
+    torch.testing.assert_close(p.detach(), start - 0.1 * expected)
+
+
+def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
+    seen = []
+    real = muon_module.newton_schulz
+
+    def spy(G, *args):
+        seen.append(tuple(G.shape))
+        return real(G, *args)
+
+    monkeypatch.setattr(muon_module, "newton_schulz", spy)
+    shapes = [(8, 8), (16, 8), (8, 8), (3, 8, 8), (16, 8), (8, 8)]
+    params = [nn.Parameter(torch.randn(s)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    Muon(params).step()
+    assert sorted(seen) == [(2, 16, 8), (6, 8, 8)]
+
+
+# ---- one step against the plain formula ----
+
+
+@pytest.mark.parametrize(
+    "adjust, scale",
+    [("original", lambda r, c: math.sqrt(max(1, r / c))),
+     ("match_rms_adamw", lambda r, c: 0.2 * math.sqrt(max(r, c))),
+     (None, lambda r, c: 1.0)],
+)
+@pytest.mark.parametrize("shape", [(12, 5), (5, 12)])
+def test_single_step_formula(adjust, scale, shape):
+    lr, mu, wd = 0.05, 0.9, 0.2
+    p = nn.Parameter(torch.randn(shape, dtype=torch.float64))
+    start = p.detach().clone()
+    g = torch.randn(shape, dtype=torch.float64)
+    p.grad = g.clone()
+    Muon([p], lr=lr, momentum=mu, weight_decay=wd, adjust_lr_fn=adjust).step()
+    buf = (1 - mu) * g
+    update = reference_ns(g.lerp(buf, mu), [KELLER] * 5)
+    expected = start * (1 - lr * wd) - lr * scale(*shape) * update
+    torch.testing.assert_close(p.detach(), expected)
+
+
+# ---- > 2-D params ----
+
+
+def _one_step(shape, **kw):
+    torch.manual_seed(3)
+    p = nn.Parameter(torch.randn(shape, dtype=torch.float64))
+    p.grad = torch.randn_like(p)
+    grad = p.grad.clone()
+    Muon([p], lr=0.1, **kw).step()
+    return p.detach(), grad
+
+
+def test_conv_weight_is_flattened():
+    conv, grad = _one_step((6, 3, 3, 3))
+    torch.manual_seed(3)
+    start = torch.randn((6, 3, 3, 3), dtype=torch.float64)
+    # From a zero buffer the Nesterov update is a multiple of g; NS is scale-invariant.
+    update = reference_ns(grad.reshape(6, 27), [KELLER] * 5).reshape(6, 3, 3, 3)
+    torch.testing.assert_close(conv, start - 0.1 * update)  # 6 x 27 is wide: scale 1
+
+
+@pytest.mark.parametrize("nd_mode", ["auto", "batch"])
+def test_3d_param_is_a_batch_of_matrices(nd_mode):
+    stacked, grad = _one_step((3, 10, 4), nd_mode=nd_mode)
+    torch.manual_seed(3)
+    start = torch.randn((3, 10, 4), dtype=torch.float64)
+    for e in range(3):
+        expected = start[e] - 0.1 * math.sqrt(10 / 4) * reference_ns(grad[e], [KELLER] * 5)
+        torch.testing.assert_close(stacked[e], expected)
+
+
+def test_3d_param_flatten_mode():
+    flat, grad = _one_step((3, 10, 4), nd_mode="flatten")
+    torch.manual_seed(3)
+    start = torch.randn((3, 10, 4), dtype=torch.float64)
+    update = reference_ns(grad.reshape(3, 40), [KELLER] * 5).reshape(3, 10, 4)
+    torch.testing.assert_close(flat, start - 0.1 * update)
+
+
+def test_non_contiguous_and_channels_last_params_match_contiguous():
+    torch.manual_seed(0)
+    base = torch.randn(8, 4, 3, 3)
+    grads = [torch.randn(8, 4, 3, 3) for _ in range(3)]
+    a = nn.Parameter(base.clone())
+    b = nn.Parameter(base.clone().to(memory_format=torch.channels_last))
+    t = nn.Parameter(torch.randn(5, 9).T.contiguous().T)  # transposed storage
+    t_ref = nn.Parameter(t.detach().contiguous().clone())
+    opt_a, opt_b = Muon([a, t_ref], weight_decay=0.1), Muon([b, t], weight_decay=0.1)
+    for g in grads:
+        tg = torch.randn(5, 9)
+        a.grad, b.grad = g.clone(), g.clone().to(memory_format=torch.channels_last)
+        t.grad, t_ref.grad = tg.clone(), tg.clone()
+        opt_a.step()
+        opt_b.step()
+    assert b.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(a, b)
+    torch.testing.assert_close(t, t_ref)
+
+
+# ---- safety properties ----
+
+
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_step_never_writes_grad_nor_aliases_momentum(nesterov):
+    # bf16 params with ns_dtype bf16: the case where `grad.bfloat16()` returns the buffer itself
+    # and an in-place normalisation would corrupt it (pytorch PR #194664).
+    p = nn.Parameter(torch.randn(6, 4).bfloat16())
+    g = torch.randn(6, 4).bfloat16()
+    p.grad = g.clone()
+    opt = Muon([p], momentum=0.9, nesterov=nesterov, ns_dtype=torch.bfloat16)
+    opt.step()
+    assert torch.equal(p.grad, g)
+    torch.testing.assert_close(opt.state[p]["momentum_buffer"], torch.lerp(torch.zeros_like(g), g,
+                                                                           0.1), rtol=0, atol=0)
+
+
+def test_params_without_grad_and_zero_grads():
+    a, b, c = (nn.Parameter(torch.randn(4, 4)) for _ in range(3))
+    before = [t.detach().clone() for t in (a, b, c)]
+    b.grad = torch.zeros(4, 4)
+    c.grad = torch.zeros(4, 4)
+    opt = Muon([dict(params=[a, b], weight_decay=0.5), dict(params=[c])], lr=0.1)
+    opt.step()
+    assert torch.equal(a, before[0]) and a not in opt.state  # no grad: untouched, no state
+    torch.testing.assert_close(b.detach(), before[1] * (1 - 0.1 * 0.5))  # only weight decay
+    assert torch.equal(c, before[2])
+
+
+def test_non_finite_grad_spoils_only_its_own_param():
+    torch.manual_seed(0)
+    good = [torch.randn(5, 5) for _ in range(2)]
+    grads = [torch.randn(5, 5) for _ in range(2)]
+    alone = [nn.Parameter(t.clone()) for t in good]
+    batched = [nn.Parameter(t.clone()) for t in good]
+    bad = nn.Parameter(torch.randn(5, 5))
+    bad_bias = nn.Parameter(torch.randn(5))
+    ok_bias = nn.Parameter(torch.zeros(5))
+    opt_alone = Muon(alone)
+    opt_batched = Muon([dict(params=[batched[0], bad, batched[1]]),
+                        dict(params=[bad_bias, ok_bias], use_muon=False, lr=1e-3)])
+    for step in range(3):
+        for ps in (alone, batched):
+            for p, g in zip(ps, grads, strict=True):
+                p.grad = g * (step + 1)
+        bad.grad = torch.full((5, 5), float("nan") if step == 1 else 1.0)
+        bad.grad[0, 0] = float("inf")
+        bad_bias.grad = torch.full((5,), float("inf"))
+        ok_bias.grad = torch.ones(5)
+        opt_alone.step()
+        opt_batched.step()
+    for x, y in zip(alone, batched, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert torch.isfinite(ok_bias).all()
+    assert not torch.isfinite(bad).any() and not torch.isfinite(bad_bias).all()
+
+
+def test_lr_scheduler_and_cpu_tensor_lr():
+    def run(lr, schedule):
+        torch.manual_seed(0)
+        p = nn.Parameter(torch.randn(6, 5))
+        q = nn.Parameter(torch.randn(5))
+        opt = Muon([dict(params=[p]), dict(params=[q], use_muon=False)], lr=lr, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5**s) if schedule else None
+        for step in range(4):
+            torch.manual_seed(step)
+            p.grad, q.grad = torch.randn(6, 5), torch.randn(5)
+            opt.step()
+            if sched:
+                sched.step()
+        return p.detach(), q.detach(), opt.param_groups[0]["lr"]
+
+    p1, q1, lr1 = run(0.04, True)
+    p2, q2, lr2 = run(torch.tensor(0.04), True)
+    p3, _, _ = run(0.04, False)
+    assert lr1 == pytest.approx(0.04 * 0.5**4) and float(lr2) == pytest.approx(lr1)
+    torch.testing.assert_close(p1, p2)
+    torch.testing.assert_close(q1, q2)
+    assert (p1 - p3).abs().max() > 1e-3  # the schedule really changed the steps
+
+
+def test_state_dict_resume_is_bit_identical():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.LayerNorm(12), nn.Linear(12, 3))
+    x, y = torch.randn(16, 6), torch.randn(16, 3)
+
+    def make_opt(m):
+        return Muon(muon_param_groups(m, weight_decay=0.01, adamw_weight_decay=0.01,
+                                      head_names=()), lr=0.02)
+
+    def steps(m, opt, n):
+        for _ in range(n):
+            opt.zero_grad(set_to_none=True)
+            ((m(x) - y) ** 2).mean().backward()
+            opt.step()
+
+    opt = make_opt(model)
+    steps(model, opt, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    steps(model, opt, 4)
+
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    resumed = copy.deepcopy(model)
+    resumed.load_state_dict(saved["model"])
+    opt2 = make_opt(resumed)
+    opt2.load_state_dict(saved["opt"])
+    steps(resumed, opt2, 4)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_zero_grad_set_to_none_then_step_is_a_no_op():
+    model = nn.Linear(4, 4)
+    opt = Muon(muon_param_groups(model))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    assert all(p.grad is None for p in model.parameters())
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def test_closure_and_empty_params():
+    p = nn.Parameter(torch.randn(3, 3))
+    empty = nn.Parameter(torch.randn(0, 3))
+    opt = Muon([p, empty])
+
+    def closure():
+        opt.zero_grad()
+        loss = (p**2).sum() + empty.sum()
+        loss.backward()
+        return loss
+
+    assert opt.step(closure) > 0
+    assert empty.shape == (0, 3)
+
+
+def test_bfloat16_params_on_cpu():
+    p = nn.Parameter(torch.randn(8, 6).bfloat16())
+    p.grad = torch.randn(8, 6).bfloat16()
+    before = p.detach().clone()
+    Muon([p]).step()
+    assert p.dtype == torch.bfloat16 and torch.isfinite(p).all() and not torch.equal(p, before)
+
+
+# ---- bad input ----
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [(dict(lr=-1.0), "lr"), (dict(momentum=-0.1), "momentum"), (dict(momentum=1.0), "momentum"),
+     (dict(weight_decay=-0.01), "weight_decay"), (dict(ns_coefficients="fast"), "ns_coefficients"),
+     (dict(ns_coefficients=(1.0, 2.0)), "ns_coefficients"), (dict(ns_steps=0), "ns_steps"),
+     (dict(ns_steps=2.5), "ns_steps"), (dict(adjust_lr_fn="sqrt"), "adjust_lr_fn"),
+     (dict(eps=0.0), "eps"), (dict(ns_dtype=torch.int32), "ns_dtype"),
+     (dict(nd_mode="split"), "nd_mode"), (dict(adamw_betas=(0.9, 1.5)), "adamw_betas"),
+     (dict(lr=torch.tensor([0.1, 0.2])), "lr")],
+)
+def test_bad_hyperparameters_raise_naming_the_argument(kwargs, name):
+    p = nn.Parameter(torch.randn(3, 3))
+    with pytest.raises(ValueError, match=name):
+        Muon([p], **kwargs)
+    with pytest.raises(ValueError, match=name):  # the same checks guard a group's overrides
+        Muon([dict(params=[p], **kwargs)])
+
+
+def test_one_dim_param_in_muon_group_suggests_use_muon_false():
+    with pytest.raises(ValueError, match="use_muon=False"):
+        Muon([nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))])
+    Muon([dict(params=[nn.Parameter(torch.randn(3))], use_muon=False)])  # fine on the AdamW side
+
+
+def test_sparse_grad_raises():
+    p = nn.Parameter(torch.randn(4, 4))
+    p.grad = torch.eye(4).to_sparse()
+    with pytest.raises(RuntimeError, match="sparse"):
+        Muon([p]).step()
+
+
+# ---- param groups ----
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=11, d=8):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(norm=nn.LayerNorm(d), mlp=nn.Linear(d, 2 * d),
+                               proj=nn.Linear(2 * d, d, bias=False)))
+            for _ in range(2)
+        )
+        self.conv = nn.Conv1d(d, d, 3)
+        self.experts = nn.Parameter(torch.randn(4, d, d))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.frozen = nn.Parameter(torch.randn(d, d), requires_grad=False)
+
+
+def test_muon_param_groups_conventional_split():
+    model = TinyLM()
+    groups = muon_param_groups(model, lr=0.03, adamw_lr=1e-3, momentum=0.9)
+    muon_group, adamw_group = groups
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    muon_names = sorted(name_of[id(p)] for p in muon_group["params"])
+    assert muon_names == sorted(["blocks.0.mlp.weight", "blocks.0.proj.weight",
+                                 "blocks.1.mlp.weight", "blocks.1.proj.weight",
+                                 "conv.weight", "experts"])
+    assert muon_group["use_muon"] and muon_group["lr"] == 0.03 and muon_group["momentum"] == 0.9
+    assert not adamw_group["use_muon"] and adamw_group["lr"] == 1e-3
+    adamw_names = {name_of[id(p)] for p in adamw_group["params"]}
+    assert {"embed.weight", "lm_head.weight", "blocks.0.norm.weight", "blocks.0.mlp.bias",
+            "conv.bias"} <= adamw_names and "frozen" not in adamw_names
+
+    Muon(groups).step()  # valid as is
+
+
+def test_muon_param_groups_overrides_and_tied_weights():
+    model = TinyLM()
+    model.lm_head.weight = model.embed.weight  # tied: one param, on the AdamW side by default
+    default = muon_param_groups(model, head_names=())
+    assert id(model.embed.weight) not in {id(p) for p in default[0]["params"]}
+    groups = muon_param_groups(model, adamw_names=[r"^conv\."], muon_names=["lm_head"],
+                               head_names=())
+    muon_ids = {id(p) for p in groups[0]["params"]}
+    assert id(model.conv.weight) not in muon_ids
+    assert id(model.embed.weight) in muon_ids  # forced by one of its names
+    total = sum(len(g["params"]) for g in groups)
+    assert total == len({id(p) for p in model.parameters() if p.requires_grad})
+
+
+# ---- acceptance (seed): a codebook layer trained with Muon ----
+
+
+def _devices():
+    devs = ["cpu"]
+    if torch.backends.mps.is_available():
+        devs.append("mps")
+    if torch.cuda.is_available():
+        devs.append("cuda")
+    return devs
+
+
+@pytest.mark.parametrize("device", _devices())
+def test_codebook_layer_trains_with_muon(device):
+    B, K, N, D, E = 8, 8, 6, 2, 4
+    x = torch.sin(0.17 * torch.arange(B * K, dtype=torch.float32)).reshape(B, K).to(device)
+    j = torch.arange(N)[:, None]
+    kb = torch.arange(K // D)[None, :]
+    indices = ((3 * (j * (K // D) + kb) + 1) % E).to(torch.uint8).to(device)
+    true_codebook = (torch.cos(0.5 * torch.arange(E * D, dtype=torch.float32)) * 0.9)
+    target = rlx_torch.codebook_matmul(x, indices, true_codebook.reshape(E, D).to(device))
+    codebook = nn.Parameter(torch.zeros(E, D, device=device))
+    opt = Muon([codebook], lr=0.1)
+    losses = torch.empty(200, device=device)  # stays on the device; read once at the end
+    for step in range(200):
+        opt.zero_grad(set_to_none=True)
+        loss = ((rlx_torch.codebook_matmul(x, indices, codebook) - target) ** 2).sum()
+        loss.backward()
+        opt.step()
+        losses[step] = loss.detach()
+    losses = losses.cpu()
+    assert torch.isfinite(losses).all() and torch.isfinite(codebook.detach().cpu()).all()
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+# ---- CUDA: no host-device synchronisation inside step() ----
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_step_makes_no_host_device_sync_on_cuda():
+    torch.manual_seed(0)
+    model = TinyLM().cuda()
+    model.frozen.requires_grad_(False)
+    groups = muon_param_groups(model, weight_decay=0.01, adamw_weight_decay=0.01)
+    opt_float = Muon(groups, ns_coefficients="polar_express")
+    model2 = copy.deepcopy(model)
+    groups2 = muon_param_groups(model2, weight_decay=0.01, adamw_weight_decay=0.01)
+    for g, lr in zip(groups2, (0.02, 3e-4), strict=True):
+        g["lr"] = torch.tensor(lr, device="cuda")  # device-resident lr: stays on the device
+    opt_tensor = Muon(groups2)
+    for m in (model, model2):
+        for p in m.parameters():
+            if p.requires_grad:
+                p.grad = torch.randn_like(p)
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            opt_float.step()
+            opt_tensor.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    for m in (model, model2):
+        assert all(torch.isfinite(p).all() for p in m.parameters())
