@@ -5,6 +5,7 @@ from ._loader import load_extension
 load_extension()
 
 from . import nn, ops, optim  # noqa: E402
+from .models import GDNConfig, GDNLanguageModel  # noqa: E402
 from .ops.codebook import codebook_matmul  # noqa: E402
 from .ops.gated_delta import gated_delta_rule  # noqa: E402
 
@@ -12,5 +13,6 @@ from .ops.gated_delta import gated_delta_rule  # noqa: E402
 __all__ = ["nn", "ops", "optim"]
 __all__ += ["codebook_matmul"]
 __all__ += ["gated_delta_rule"]
+__all__ += ["GDNConfig", "GDNLanguageModel"]
 
 __version__ = "0.1.0"

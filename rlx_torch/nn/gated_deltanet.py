@@ -137,6 +137,7 @@ class GatedDeltaNet(nn.Module):
         x, kept_rows = hidden_states, None
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, hidden_states, "GatedDeltaNet")
+            cu_seqlens = cu_seqlens.to(torch.int64)
         elif attention_mask is not None:
             if attention_mask.shape != (batch, seqlen):
                 raise ValueError(
