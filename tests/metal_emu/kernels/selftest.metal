@@ -1,0 +1,184 @@
+// Kernels that exercise the emulator itself: correct ones, and ones with planted bugs that the
+// emulator must catch (tests/test_metal_emulator.py). Not part of the library.
+#include <metal_stdlib>
+using namespace metal;
+
+struct CountParams {
+  uint n;
+  float scale;
+};
+
+// out[g] = reversed copy of x within each threadgroup, through threadgroup memory.
+kernel void tg_reverse(device const float* x [[buffer(0)]],
+                       device float* out [[buffer(1)]],
+                       threadgroup float* tile [[threadgroup(0)]],
+                       uint gid [[thread_position_in_grid]],
+                       uint tid [[thread_index_in_threadgroup]],
+                       uint n [[threads_per_threadgroup]]) {
+  tile[tid] = x[gid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[gid] = tile[n - 1 - tid];
+}
+
+// Planted bug: the barrier between the write and the read is missing.
+kernel void tg_reverse_no_barrier(device const float* x [[buffer(0)]],
+                                  device float* out [[buffer(1)]],
+                                  threadgroup float* tile [[threadgroup(0)]],
+                                  uint gid [[thread_position_in_grid]],
+                                  uint tid [[thread_index_in_threadgroup]],
+                                  uint n [[threads_per_threadgroup]]) {
+  tile[tid] = x[gid];
+  out[gid] = tile[n - 1 - tid];
+}
+
+// Planted bug: a tree reduction whose second barrier (inside the loop) is missing, so a
+// thread may read a partial sum before its producer has written it.
+kernel void tree_sum_missing_barrier(device const float* x [[buffer(0)]],
+                                     device float* out [[buffer(1)]],
+                                     threadgroup float* tile [[threadgroup(0)]],
+                                     uint tid [[thread_index_in_threadgroup]],
+                                     uint n [[threads_per_threadgroup]]) {
+  tile[tid] = x[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint stride = n / 2; stride > 0; stride /= 2) {
+    if (tid < stride) tile[tid] += tile[tid + stride];
+  }
+  if (tid == 0) out[0] = tile[0];
+}
+
+kernel void tree_sum(device const float* x [[buffer(0)]],
+                     device float* out [[buffer(1)]],
+                     threadgroup float* tile [[threadgroup(0)]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint n [[threads_per_threadgroup]]) {
+  tile[tid] = x[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (uint stride = n / 2; stride > 0; stride /= 2) {
+    if (tid < stride) tile[tid] += tile[tid + stride];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (tid == 0) out[0] = tile[0];
+}
+
+// Planted bug: only half of the threads reach the barrier.
+kernel void divergent_barrier(device float* out [[buffer(0)]],
+                              uint tid [[thread_index_in_threadgroup]]) {
+  if (tid < 16) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  out[tid] = 1.0f;
+}
+
+// Planted bug: the two halves wait at two different barriers.
+kernel void two_barriers(device float* out [[buffer(0)]],
+                         uint tid [[thread_index_in_threadgroup]]) {
+  if (tid % 2 == 0) {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  } else {
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  out[tid] = 1.0f;
+}
+
+// Planted bug: reads one element past the end for the last thread.
+kernel void neighbour_diff(device const float* x [[buffer(0)]],
+                           device float* out [[buffer(1)]],
+                           uint gid [[thread_position_in_grid]]) {
+  out[gid] = x[gid + 1] - x[gid];
+}
+
+// Planted bug: lanes 0..15 do a simd_sum while the other lanes go to a threadgroup barrier.
+kernel void divergent_simd(device float* out [[buffer(0)]],
+                           uint lane [[thread_index_in_simdgroup]]) {
+  float v = 1.0f;
+  if (lane < 16) v = simd_sum(v);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[lane] = v;
+}
+
+// Simdgroup collectives; works for partial simdgroups (threads not a multiple of 32).
+kernel void simd_ops(device const float* x [[buffer(0)]],
+                     device float* out [[buffer(1)]],
+                     uint tid [[thread_index_in_threadgroup]],
+                     uint lane [[thread_index_in_simdgroup]]) {
+  const float v = x[tid];
+  out[8 * tid + 0] = simd_sum(v);
+  out[8 * tid + 1] = simd_max(v);
+  out[8 * tid + 2] = simd_prefix_exclusive_sum(v);
+  out[8 * tid + 3] = simd_prefix_inclusive_sum(v);
+  out[8 * tid + 4] = simd_shuffle_down(v, 1);
+  out[8 * tid + 5] = simd_broadcast(v, 0);
+  out[8 * tid + 6] = simd_shuffle_xor(v, 1);
+  out[8 * tid + 7] = float(simd_sum(float4(v, 1.0f, 2.0f, v)).w);
+}
+
+// Reads lane 31, which does not exist in a partial simdgroup (undefined: poison).
+kernel void shuffle_inactive(device float* out [[buffer(0)]],
+                             uint tid [[thread_index_in_threadgroup]]) {
+  out[tid] = simd_shuffle(float(tid), 31);
+}
+
+// Histogram with device atomics, scaled sums with a float atomic.
+kernel void histogram(device const uint* keys [[buffer(0)]],
+                      device atomic_uint* counts [[buffer(1)]],
+                      device atomic_float* total [[buffer(2)]],
+                      constant CountParams& p [[buffer(3)]],
+                      uint gid [[thread_position_in_grid]]) {
+  if (gid >= p.n) return;
+  atomic_fetch_add_explicit(&counts[keys[gid]], 1u, memory_order_relaxed);
+  atomic_fetch_add_explicit(total, p.scale, memory_order_relaxed);
+}
+
+// Conversions: y16 = T(x) for half / bfloat, then back to float.
+template <typename T>
+kernel void round_trip(device const float* x [[buffer(0)]],
+                       device T* y [[buffer(1)]],
+                       device float* back [[buffer(2)]],
+                       uint gid [[thread_position_in_grid]]) {
+  const T h = T(x[gid]);
+  y[gid] = h;
+  back[gid] = float(h);
+}
+template [[host_name("round_trip_half")]] kernel void round_trip<half>(
+    device const float*, device half*, device float*, uint);
+template [[host_name("round_trip_bfloat")]] kernel void round_trip<bfloat>(
+    device const float*, device bfloat*, device float*, uint);
+
+// Half arithmetic rounds after every operation: a*b+c in half vs float differ.
+kernel void half_madd(device const half* a [[buffer(0)]],
+                      device const half* b [[buffer(1)]],
+                      device half* out [[buffer(2)]],
+                      uint gid [[thread_position_in_grid]]) {
+  const half prod = a[gid] * b[gid];
+  out[gid] = prod + 1.0h;
+}
+
+// Every built-in position, for a 3-D grid.
+kernel void positions(device uint* out [[buffer(0)]],
+                      uint3 gpos [[thread_position_in_grid]],
+                      uint3 lpos [[thread_position_in_threadgroup]],
+                      uint3 tgpos [[threadgroup_position_in_grid]],
+                      uint3 ntg [[threadgroups_per_grid]],
+                      uint3 tpg [[threads_per_grid]],
+                      uint index [[thread_index_in_threadgroup]],
+                      ushort sg [[simdgroup_index_in_threadgroup]]) {
+  const uint linear = (gpos.z * tpg.y + gpos.y) * tpg.x + gpos.x;
+  device uint* o = out + 8 * linear;
+  o[0] = gpos.x;
+  o[1] = gpos.y;
+  o[2] = gpos.z;
+  o[3] = lpos.x + 100 * lpos.y + 10000 * lpos.z;
+  o[4] = tgpos.x + 100 * tgpos.y + 10000 * tgpos.z;
+  o[5] = ntg.x + 100 * ntg.y + 10000 * ntg.z;
+  o[6] = index;
+  o[7] = sg;
+}
+
+// Reads a threadgroup allocation the host made too small.
+kernel void uses_tg_memory(device float* out [[buffer(0)]],
+                           threadgroup float* scratch [[threadgroup(0)]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  scratch[tid] = float(tid);
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = scratch[tid];
+}

@@ -1,0 +1,285 @@
+"""Mechanical translation of a .metal source into C++ for the emulator.
+
+What changes (everything else is kept verbatim, line for line, so compiler errors and
+barrier sites point at the .metal file):
+- `#include <metal_stdlib>` is dropped (the shim is included first); any other include is an error.
+- `[[...]]` attributes are stripped after the kernel signatures have been read from them.
+- `device T*`, `constant T*`, `threadgroup T*` become bounds-checked `metal::Ptr<T>` (constant
+  ones const); `device T&` / `constant T&` become plain references; `kernel`, `device`,
+  `thread` disappear and `constant` becomes `const`.
+- `1.5h` half literals become `metal::half(1.5f)`.
+- Explicit instantiations `template [[host_name("name")]] kernel void f<T>(...);` are removed
+  and become launchable entries named `name`.
+"""
+
+import re
+from dataclasses import dataclass, field
+
+BUILTINS = (
+    "thread_position_in_grid",
+    "thread_position_in_threadgroup",
+    "threadgroup_position_in_grid",
+    "threads_per_threadgroup",
+    "threadgroups_per_grid",
+    "threads_per_grid",
+    "thread_index_in_threadgroup",
+    "thread_index_in_simdgroup",
+    "simdgroup_index_in_threadgroup",
+    "threads_per_simdgroup",
+    "simdgroups_per_threadgroup",
+    "thread_execution_width",
+    "dispatch_threads_per_threadgroup",
+)
+
+
+class TranslationError(ValueError):
+    pass
+
+
+@dataclass
+class Param:
+    name: str
+    kind: str  # "buffer" | "threadgroup" | "builtin"
+    index: int  # slot, or position in BUILTINS
+
+
+@dataclass
+class KernelDef:
+    function: str
+    params: list
+    is_template: bool
+    line: int
+
+
+@dataclass
+class Entry:
+    """A launchable kernel: host name -> C++ expression naming the function."""
+
+    name: str
+    function: str
+    template_args: str  # "" for a plain kernel
+    params: list = field(default_factory=list)
+
+    def buffers(self):
+        return {p.index: p.name for p in self.params if p.kind == "buffer"}
+
+    def threadgroup_memory(self):
+        return {p.index: p.name for p in self.params if p.kind == "threadgroup"}
+
+
+def blank_comments(src):
+    """Replaces comments by spaces (newlines kept), leaving string literals alone."""
+    out, i, n = [], 0, len(src)
+    while i < n:
+        c = src[i]
+        if src.startswith("//", i):
+            j = src.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif src.startswith("/*", i):
+            j = src.find("*/", i + 2)
+            j = n if j < 0 else j + 2
+            out.append("".join(ch if ch == "\n" else " " for ch in src[i:j]))
+            i = j
+        elif c in "\"'":
+            j = i + 1
+            while j < n and src[j] != c:
+                j += 2 if src[j] == "\\" else 1
+            out.append(src[i : j + 1])
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _blank(text):
+    return "".join(ch if ch == "\n" else " " for ch in text)
+
+
+def _matching(src, i, open_ch, close_ch):
+    """Index just past the bracket that closes src[i] (== open_ch)."""
+    depth = 0
+    for j in range(i, len(src)):
+        if src[j] == open_ch:
+            depth += 1
+        elif src[j] == close_ch:
+            depth -= 1
+            if depth == 0:
+                return j + 1
+    raise TranslationError(f"unbalanced {open_ch}{close_ch} at offset {i}")
+
+
+def split_top_level(text, sep=","):
+    parts, depth, cur = [], 0, []
+    for ch in text:
+        if ch in "(<[{":
+            depth += 1
+        elif ch in ")>]}":
+            depth -= 1
+        if ch == sep and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+        else:
+            cur.append(ch)
+    if "".join(cur).strip():
+        parts.append("".join(cur))
+    return parts
+
+
+_ATTR = re.compile(r"\[\[\s*(\w+)\s*(?:\(\s*([^()]*?)\s*\))?\s*\]\]")
+_KERNEL = re.compile(r"(?:\bkernel\s+|\[\[\s*kernel\s*\]\]\s*)void\s+(\w+)\s*\(")
+_INSTANTIATION = re.compile(r"\btemplate\s*\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\s*\)\s*\]\]")
+_TEMPLATE_BEFORE = re.compile(r"template\s*<[^;{}]*>\s*(?:\[\[[^\]]*\]\]\s*)*$")
+
+
+def _line_of(src, pos):
+    return src.count("\n", 0, pos) + 1
+
+
+def parse_params(plist, function, line):
+    params = []
+    for raw in split_top_level(plist):
+        attrs = _ATTR.findall(raw)
+        text = _ATTR.sub(" ", raw).strip()
+        m = re.search(r"(\w+)\s*$", text)
+        if not m:
+            raise TranslationError(f"{function} (line {line}): cannot read parameter {raw!r}")
+        name = m.group(1)
+        binding = None
+        for attr, arg in attrs:
+            if attr in ("buffer", "threadgroup"):
+                binding = Param(name, attr, int(arg, 0))
+            elif attr in BUILTINS:
+                binding = Param(name, "builtin", BUILTINS.index(attr))
+        if binding is None:
+            raise TranslationError(
+                f"{function} (line {line}): parameter '{name}' needs [[buffer(i)]], "
+                f"[[threadgroup(i)]] or a supported built-in attribute"
+            )
+        params.append(binding)
+    return params
+
+
+def find_kernels(code):
+    kernels = {}
+    for m in _KERNEL.finditer(code):
+        name = m.group(1)
+        open_paren = m.end() - 1
+        close = _matching(code, open_paren, "(", ")")
+        line = _line_of(code, m.start())
+        params = parse_params(code[open_paren + 1 : close - 1], name, line)
+        before = code[max(0, m.start() - 400) : m.start()]
+        before = before[max(before.rfind(";"), before.rfind("}")) + 1 :]
+        kernels[name] = KernelDef(name, params, bool(_TEMPLATE_BEFORE.search(before)), line)
+    return kernels
+
+
+def translate(src, path="kernel.metal"):
+    """Returns (cpp_text, entries) for one .metal source."""
+    code = blank_comments(src)
+    for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
+        if m.group(1).strip() != "<metal_stdlib>":
+            raise TranslationError(f"{path}:{_line_of(code, m.start())}: only <metal_stdlib> "
+                                   f"may be included, found {m.group(1).strip()}")
+    code = re.sub(r"^[ \t]*#[ \t]*include\s*<metal_stdlib>", "", code, flags=re.M)
+
+    kernels = find_kernels(code)
+    entries = []
+    for name, k in kernels.items():
+        if not k.is_template:
+            entries.append(Entry(name, name, "", k.params))
+    # explicit instantiations with host names
+    pieces, last = [], 0
+    for m in _INSTANTIATION.finditer(code):
+        end = code.find(";", m.end())
+        if end < 0:
+            where = f"{path}:{_line_of(code, m.start())}"
+            raise TranslationError(f"{where}: unterminated instantiation")
+        text = code[m.end() : end]
+        found = None
+        for fname in kernels:
+            fm = re.search(r"\b" + fname + r"\s*<", text)
+            if fm:
+                lt = fm.end() - 1
+                found = (fname, text[lt + 1 : _matching(text, lt, "<", ">") - 1].strip())
+                break
+        if found is None:
+            raise TranslationError(f"{path}:{_line_of(code, m.start())}: host_name instantiation "
+                                   "of a function that is not a kernel template")
+        entries.append(Entry(m.group(1), found[0], found[1], kernels[found[0]].params))
+        pieces.append(code[last : m.start()])
+        pieces.append(_blank(code[m.start() : end + 1]))
+        last = end + 1
+    pieces.append(code[last:])
+    code = "".join(pieces)
+
+    names = [e.name for e in entries]
+    dup = {n for n in names if names.count(n) > 1}
+    if dup:
+        raise TranslationError(f"{path}: kernel names defined twice: {sorted(dup)}")
+
+    code = _ATTR.sub("", code)
+    code = translate_address_spaces(code, path)
+    code = re.sub(r"\b(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[hH]\b",
+                  lambda m: f"metal::half({m.group(1)}{m.group(2) or ''}f)", code)
+    return code, entries
+
+
+_TYPE = r"(?:metal::)?\w+(?:\s*<[^<>;(){}]*(?:<[^<>;(){}]*>[^<>;(){}]*)*>)?"
+_ADDR = re.compile(
+    r"(\bconst\s+)?\b(device|constant|threadgroup)\s+(const\s+)?("
+    + _TYPE
+    + r")(\s+const)?\s*([*&])"
+)
+
+
+def translate_address_spaces(code, path):
+    def repl(m):
+        const = bool(m.group(1) or m.group(3) or m.group(2) == "constant")
+        t = ("const " if const else "") + m.group(4)
+        if m.group(6) == "*":
+            return f"metal::Ptr<{t}> "
+        return f"{t}& "
+
+    code = _ADDR.sub(repl, code)
+    code = re.sub(r"\bkernel\s+void\b", "void", code)
+    code = re.sub(r"\b(device|thread)\s+", "", code)
+    code = re.sub(r"\bconstant\b", "const", code)
+    m = re.search(r"\bthreadgroup\b", code)
+    if m:
+        raise TranslationError(
+            f"{path}:{_line_of(code, m.start())}: threadgroup variables must be kernel "
+            "parameters ([[threadgroup(i)]]), not declared in a function body"
+        )
+    return code
+
+
+def generate(src, path="kernel.metal"):
+    """Full C++ translation unit: shim, translated source, and the launch table."""
+    code, entries = translate(src, path)
+    out = ['#include "metal_emu/entry.h"', f'#line 1 "{path}"', code, "", "namespace {"]
+    for i, e in enumerate(entries):
+        binds = ", ".join(
+            f'{{metal_emu::BindKind::{p.kind.capitalize()}, {p.index}, "{p.name}"}}'
+            for p in e.params
+        ) or '{metal_emu::BindKind::Buffer, -1, ""}'
+        fn = f"&{e.function}<{e.template_args}>" if e.template_args else f"&{e.function}"
+        out.append(f"const metal_emu::Binding bind_{i}[] = {{{binds}}};")
+        out.append(f"void body_{i}(metal_emu::Runtime& rt) "
+                   f"{{ metal_emu::invoke({fn}, rt, bind_{i}); }}")
+    out.append("}  // namespace")
+    table = ", ".join(f'{{"{e.name}", &body_{i}}}' for i, e in enumerate(entries))
+    out.append(f"const metal_emu::KernelEntry rlx_emu_table[] = {{{table}{', ' if table else ''}"
+               "{nullptr, nullptr}};")
+    out.append(
+        'extern "C" int rlx_emu_launch(const char* name, const metal_emu::LaunchDesc* d, '
+        "char* err, size_t err_len) {\n"
+        "  for (const auto* e = rlx_emu_table; e->name; ++e)\n"
+        "    if (std::strcmp(e->name, name) == 0) return metal_emu::launch(e->name, e->body, *d, "
+        "err, err_len);\n"
+        '  std::snprintf(err, err_len, "no kernel named %s", name);\n'
+        "  return 2;\n}"
+    )
+    return "\n".join(out) + "\n", entries

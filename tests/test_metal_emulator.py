@@ -1,0 +1,237 @@
+"""The Metal emulator itself: its semantics are right, and it catches planted kernel bugs
+(a missing barrier, a divergent barrier, an out-of-bounds read)."""
+
+import struct
+
+import pytest
+import torch
+
+from tests.metal_emu import (
+    EmulatorError,
+    TranslationError,
+    call_plan,
+    compile_cpp,
+    load,
+    load_source,
+)
+
+ORDERS = ["forward", "reverse", "shuffle"]
+
+
+@pytest.fixture(scope="module")
+def lib():
+    return load("tests/metal_emu/kernels/selftest.metal")
+
+
+def test_lists_entries_with_bindings(lib):
+    assert "round_trip_half" in lib.kernels and "round_trip_bfloat" in lib.kernels
+    e = lib.entries["histogram"]
+    assert e.buffers() == {0: "keys", 1: "counts", 2: "total", 3: "p"}
+    assert lib.entries["tg_reverse"].threadgroup_memory() == {0: "tile"}
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_barrier_makes_threadgroup_memory_visible(lib, order):
+    x = torch.randn(3 * 40)
+    out = torch.empty_like(x)
+    lib.run("tg_reverse", 3, 40, [x, out], [40 * 4], order=order, seed=7)
+    torch.testing.assert_close(out, x.view(3, 40).flip(1).reshape(-1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("order", ["forward", "reverse"])
+def test_catches_missing_barrier(lib, order):
+    x = torch.randn(64)
+    out = torch.empty_like(x)
+    lib.run("tg_reverse_no_barrier", 1, 64, [x, out], [64 * 4], order=order)
+    assert not torch.equal(out, x.flip(0)), "a missing barrier went unnoticed"
+
+
+def test_catches_missing_barrier_in_tree_reduction(lib):
+    x = torch.rand(128)
+    good, bad = torch.zeros(1), torch.zeros(1)
+    for order in ORDERS:
+        lib.run("tree_sum", 1, 128, [x, good], [128 * 4], order=order, seed=1)
+        torch.testing.assert_close(good[0], x.sum())
+    lib.run("tree_sum_missing_barrier", 1, 128, [x, bad], [128 * 4], order="forward")
+    assert not torch.allclose(bad[0], x.sum())
+
+
+def test_catches_divergent_barrier(lib):
+    out = torch.zeros(32)
+    with pytest.raises(EmulatorError, match=r"barrier divergence: threads \[16,.*returned"):
+        lib.run("divergent_barrier", 1, 32, [out])
+
+
+def test_catches_threads_at_different_barriers(lib):
+    out = torch.zeros(32)
+    where = "threadgroup_barrier at tests/metal_emu/kernels/selftest.metal"
+    with pytest.raises(EmulatorError, match=f"barrier divergence: thread 0 waits at {where}:76"
+                       f".* but thread 31 at {where}:78"):
+        lib.run("two_barriers", 1, 32, [out])
+
+
+def test_catches_divergent_simdgroup_op(lib):
+    out = torch.zeros(32)
+    with pytest.raises(EmulatorError, match="simdgroup divergence"):
+        lib.run("divergent_simd", 1, 32, [out])
+
+
+def test_catches_out_of_bounds_read(lib):
+    x = torch.randn(96)
+    out = torch.zeros(96)
+    with pytest.raises(EmulatorError, match=r"out-of-bounds access to x: bytes \[384, 388\) "
+                       r"of a 384-byte buffer.*thread \(31,0,0\)"):
+        lib.run("neighbour_diff", 3, 32, [x, out])
+    # the same kernel over one thread fewer stays in bounds
+    lib.run("neighbour_diff", 1, 95, [x, out])
+    torch.testing.assert_close(out[:95], x[1:] - x[:-1])
+
+
+def test_out_of_bounds_on_views_and_threadgroup_memory(lib):
+    # a view binds only its own extent, so reading past it is caught even inside the storage
+    big = torch.randn(200)
+    out = torch.zeros(64)
+    with pytest.raises(EmulatorError, match="out-of-bounds access to x"):
+        lib.run("neighbour_diff", 1, 64, [big[10:74], out])
+    with pytest.raises(EmulatorError, match="out-of-bounds access to scratch"):
+        lib.run("uses_tg_memory", 1, 64, [out], [48 * 4])
+    with pytest.raises(EmulatorError, match="needs a multiple of 16"):
+        lib.run("uses_tg_memory", 1, 63, [out], [63 * 4])
+    with pytest.raises(EmulatorError, match="more than the 32 KiB"):
+        lib.run("uses_tg_memory", 1, 64, [out], [32768, 16])
+    with pytest.raises(EmulatorError, match=r"threadgroup\(0\) memory for parameter 'scratch'"):
+        lib.run("uses_tg_memory", 1, 64, [out])
+
+
+def test_unbound_and_short_buffers(lib):
+    keys = torch.zeros(4, dtype=torch.int32)
+    counts = torch.zeros(4, dtype=torch.int32)
+    total = torch.zeros(1)
+    with pytest.raises(EmulatorError, match=r"buffer\(3\) for parameter 'p' is not bound"):
+        lib.run("histogram", 1, 4, [keys, counts, total])
+    with pytest.raises(EmulatorError, match="holds 4 bytes, the kernel reads 8"):
+        lib.run("histogram", 1, 4, [keys, counts, total, struct.pack("I", 4)])
+    with pytest.raises(EmulatorError, match="empty grid"):
+        lib.run("histogram", 0, 4, [keys, counts, total, struct.pack("If", 4, 1.0)])
+    with pytest.raises(ValueError, match="contiguous"):
+        lib.run("tg_reverse", 1, 4, [torch.zeros(4, 2)[:, 0], torch.zeros(4)], [16])
+
+
+@pytest.mark.parametrize("threads", [32, 48, 70])
+def test_simd_collectives(lib, threads):
+    x = torch.randn(threads)
+    out = torch.zeros(threads * 8)
+    lib.run("simd_ops", 1, threads, [x, out], order="shuffle", seed=threads)
+    got = out.view(threads, 8)
+    for lo in range(0, threads, 32):
+        g = x[lo : lo + 32]
+        n = len(g)
+        r = got[lo : lo + 32]
+        torch.testing.assert_close(r[:, 0], g.sum().expand(n))
+        torch.testing.assert_close(r[:, 1], g.max().expand(n))
+        torch.testing.assert_close(r[:, 2], torch.cumsum(g, 0) - g)
+        torch.testing.assert_close(r[:, 3], torch.cumsum(g, 0))
+        # lanes past the end of a partial simdgroup read as NaN (undefined on a GPU)
+        pad = torch.cat([g, torch.full((32 - n,), float("nan"))])
+        down = torch.cat([pad[1:], pad[-1:]])[:n]
+        torch.testing.assert_close(r[:, 4], down, equal_nan=True)
+        torch.testing.assert_close(r[:, 6], pad.view(16, 2).flip(1).reshape(-1)[:n],
+                                   equal_nan=True)
+        torch.testing.assert_close(r[:, 5], g[0].expand(n))
+        torch.testing.assert_close(r[:, 7], g.sum().expand(n))
+
+
+def test_shuffle_from_inactive_lane_is_poison(lib):
+    out = torch.zeros(40)
+    lib.run("shuffle_inactive", 1, 40, [out])
+    assert (out[:32] == 31).all() and out[32:].isnan().all()
+
+
+def test_atomics(lib):
+    keys = torch.randint(0, 5, (300,), dtype=torch.int32)
+    counts = torch.zeros(5, dtype=torch.int32)
+    total = torch.zeros(1)
+    lib.run("histogram", 5, 64, [keys, counts, total, struct.pack("If", 300, 0.5)],
+            order="shuffle")
+    assert counts.tolist() == torch.bincount(keys, minlength=5).tolist()
+    assert total.item() == 150.0
+
+
+def test_half_and_bfloat_conversions_match_torch(lib):
+    special = torch.tensor([0.0, -0.0, 65504.0, 65520.0, 65519.99, 6e-8, 3e-8, 2.98e-8, 1e-10,
+                            float("inf"), -float("inf"), 1e30, 2.0**-24, 1.5 * 2.0**-24,
+                            2.5 * 2.0**-24, 0.1, -3.3e38])
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    from_half = bits.view(torch.float16).float()
+    from_bf = bits.view(torch.bfloat16).float()
+    x = torch.cat([special, torch.randn(2000) * 10.0 ** torch.randint(-9, 6, (2000,)),
+                   from_half[~from_half.isnan()], from_bf[~from_bf.isnan()]])
+    x = torch.cat([x, torch.zeros((-x.numel()) % 50)])  # whole threadgroups of 50
+    for name, dtype in [("round_trip_half", torch.float16), ("round_trip_bfloat", torch.bfloat16)]:
+        y = torch.empty(x.shape, dtype=dtype)
+        back = torch.empty_like(x)
+        lib.run(name, x.numel() // 50, 50, [x, y, back])
+        ref = x.to(dtype)
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), name
+        assert torch.equal(back, ref.float())
+    nan = torch.full((32,), float("nan"))
+    y = torch.empty(32, dtype=torch.float16)
+    lib.run("round_trip_half", 1, 32, [nan, y, torch.empty(32)])
+    assert y.isnan().all()
+
+
+def test_half_arithmetic_rounds_each_operation(lib):
+    a = torch.randn(256).half()
+    b = torch.randn(256).half()
+    out = torch.empty_like(a)
+    lib.run("half_madd", 4, 64, [a, b, out])
+    assert torch.equal(out, (a * b) + 1.0)  # torch also rounds the product to half first
+
+
+def test_builtin_positions_in_3d_grid(lib):
+    tg, th = (3, 2, 2), (5, 4, 2)
+    tpg = [t * h for t, h in zip(tg, th, strict=True)]
+    out = torch.zeros(tpg[0] * tpg[1] * tpg[2] * 8, dtype=torch.int32)
+    lib.run("positions", tg, th, [out], order="reverse")
+    o = out.view(tpg[2], tpg[1], tpg[0], 8)
+    for z, y, x in [(0, 0, 0), (3, 7, 14), (1, 5, 6)]:
+        lx, ly, lz = x % 5, y % 4, z % 2
+        index = lx + 5 * ly + 20 * lz
+        assert o[z, y, x].tolist() == [
+            x, y, z, lx + 100 * ly + 10000 * lz,
+            x // 5 + 100 * (y // 4) + 10000 * (z // 2), 3 + 200 + 20000, index, index // 32]
+
+
+def test_translation_errors():
+    with pytest.raises(TranslationError, match="only <metal_stdlib> may be included"):
+        load_source('#include <metal_stdlib>\n#include "foo.h"\n', "bad_include")
+    with pytest.raises(TranslationError, match="threadgroup variables must be kernel parameters"):
+        load_source("kernel void k(device float* x [[buffer(0)]]) {\n"
+                    "  threadgroup float tile[32];\n  x[0] = tile[0];\n}\n", "bad_tg")
+    with pytest.raises(TranslationError, match="parameter 'x' needs"):
+        load_source("kernel void k(device float* x) { x[0] = 1; }\n", "bad_attr")
+
+
+def test_compile_errors_point_at_the_metal_source():
+    from tests.metal_emu import CompileError
+
+    with pytest.raises(CompileError, match=r"broken\.metal:3"):
+        load_source("kernel void k(device float* x [[buffer(0)]]) {\n"
+                    "  float y = 1.0f;\n  x[0] = undefined_name;\n}\n", "broken")
+
+
+def test_plans_from_cpp_headers(lib):
+    # the plan comes from C++ (rlx/mps_launch.h vocabulary), exactly as the .mm host code gets it
+    plans = compile_cpp("tests/metal_emu/kernels/selftest_plan.cpp")
+    plan = call_plan(plans.plan_tg_reverse, 130, 64)
+    assert plan.kernel == "tg_reverse" and plan.threadgroups == (3, 1, 1)
+    assert plan.threads == (64, 1, 1) and plan.threadgroup_memory == [256]
+    plan = call_plan(plans.plan_histogram, 300)
+    keys = torch.randint(0, 7, (300,), dtype=torch.int32)
+    counts = torch.zeros(7, dtype=torch.int32)
+    total = torch.zeros(1)
+    lib.run_plan(plan, {0: keys, 1: counts, 2: total}, order="shuffle", seed=5)
+    assert counts.tolist() == torch.bincount(keys, minlength=7).tolist()
+    assert total.item() == 300 * 0.25
+    with pytest.raises(ValueError, match="rejected arguments"):
+        call_plan(plans.plan_histogram, -1)
