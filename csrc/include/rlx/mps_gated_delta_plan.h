@@ -1,0 +1,221 @@
+// Launch plans of the gated delta rule Metal kernels (csrc/mps/kernels/gated_delta.metal),
+// shared by the host code (csrc/mps/gated_delta.mm) and the emulator tests. Plain C++17.
+//
+// Forward: one dispatch, threadgroups (V-blocks, HV, N), one simdgroup per state column.
+// Backward: windows of chunks, from the last down to chunk 0; each is a gated_delta_bwd
+// dispatch (writes dv and dstate to the packed buffer, per-V-block partial sums of dq, dk,
+// dg, dbeta to `partials`, and hands dS to the next window through `carry`) followed by a
+// gated_delta_bwd_reduce dispatch (adds the partials in a fixed order into the packed
+// buffer). Windows bound the partials' memory; all dispatches go into one command buffer.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+
+#include "rlx/gdn_backward_layout.h"
+#include "rlx/mps_launch.h"
+
+namespace rlx::mps {
+
+// Field for field the GdnParams struct of gated_delta.metal (8-byte fields first: no padding
+// differences between the two compilers).
+struct GdnParams {
+  uint64_t tokens;
+  uint64_t dq_offset, dk_offset, dv_offset, dg_offset, dbeta_offset, dstate_offset;
+  uint64_t part_dk_offset, part_dg_offset, part_dbeta_offset;
+  uint32_t seq_len, num_seqs;
+  uint32_t num_qk_heads, num_v_heads, head_k_dim, head_v_dim;
+  uint32_t group, k_per_lane;
+  uint32_t gate_per_channel, has_initial_state, has_grad_final, varlen;
+  uint32_t chunk, simdgroups, num_vblocks, sub;
+  uint32_t window_lo, window_hi, window_chunks, reduce_simdgroups;
+  float scale;
+};
+static_assert(offsetof(GdnParams, seq_len) == 80 && offsetof(GdnParams, scale) == 160 &&
+                  sizeof(GdnParams) == 168,
+              "GdnParams must keep the layout of the struct in gated_delta.metal");
+
+enum class GdnDtype { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+
+// Problem sizes, as validated by rlx::gdn_check_inputs.
+struct GdnShape {
+  int64_t batch = 0, seq_len = 0, num_qk_heads = 1, num_v_heads = 1;
+  int64_t head_k_dim = 1, head_v_dim = 1;
+  int64_t num_seqs = 0;    // N
+  int64_t max_chunks = 0;  // most chunks of any sequence: ceil(max length / chunk)
+  int64_t chunk = kGdnDefaultChunk;
+  bool gate_per_channel = false, varlen = false, has_initial_state = false;
+  bool has_grad_final = false;
+  double scale = 1.0;
+  GdnDtype dtype = GdnDtype::Float32;
+};
+
+constexpr uint32_t kGdnMaxKPerLane = 8;          // the kernels' register arrays: K <= 256
+constexpr uint32_t kGdnForwardSimdgroups = 4;    // columns per forward threadgroup
+constexpr uint32_t kGdnReduceSimdgroups = 4;     // rows per reduction threadgroup
+constexpr uint64_t kGdnPartialBudget = 128ull << 20;  // bytes of backward partials per window
+
+inline GdnParams gdn_params(const GdnShape& s) {
+  GdnParams p{};
+  const GdnBackwardLayout l = GdnBackwardLayout::make(
+      s.batch, s.seq_len, s.num_qk_heads, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+      s.num_seqs, s.gate_per_channel, s.has_initial_state);
+  p.tokens = uint64_t(s.batch * s.seq_len);
+  p.dq_offset = uint64_t(l.dq.offset);
+  p.dk_offset = uint64_t(l.dk.offset);
+  p.dv_offset = uint64_t(l.dv.offset);
+  p.dg_offset = uint64_t(l.dg.offset);
+  p.dbeta_offset = uint64_t(l.dbeta.offset);
+  p.dstate_offset = uint64_t(l.dstate.offset);
+  p.seq_len = uint32_t(s.seq_len);
+  p.num_seqs = uint32_t(s.num_seqs);
+  p.num_qk_heads = uint32_t(s.num_qk_heads);
+  p.num_v_heads = uint32_t(s.num_v_heads);
+  p.head_k_dim = uint32_t(s.head_k_dim);
+  p.head_v_dim = uint32_t(s.head_v_dim);
+  p.group = uint32_t(s.num_v_heads / s.num_qk_heads);
+  p.k_per_lane = ceil_div(uint64_t(s.head_k_dim), kSimdWidth);
+  p.gate_per_channel = s.gate_per_channel;
+  p.has_initial_state = s.has_initial_state;
+  p.has_grad_final = s.has_grad_final;
+  p.varlen = s.varlen;
+  p.chunk = uint32_t(s.chunk);
+  p.scale = float(s.scale);
+  return p;
+}
+
+inline const char* gdn_kernel_name(bool backward, GdnDtype t) {
+  static const char* const fwd[] = {"gated_delta_fwd_f32", "gated_delta_fwd_f16",
+                                    "gated_delta_fwd_bf16"};
+  static const char* const bwd[] = {"gated_delta_bwd_f32", "gated_delta_bwd_f16",
+                                    "gated_delta_bwd_bf16"};
+  return (backward ? bwd : fwd)[int(t)];
+}
+
+// Buffer slots of gated_delta_fwd.
+enum GdnForwardSlot : int {
+  kFwdQ = 0, kFwdK, kFwdV, kFwdG, kFwdBeta, kFwdInitialState, kFwdCuSeqlens, kFwdO,
+  kFwdFinalState, kFwdCheckpoints, kFwdParams
+};
+// Buffer slots of gated_delta_bwd and gated_delta_bwd_reduce.
+enum GdnBackwardSlot : int {
+  kBwdQ = 0, kBwdK, kBwdV, kBwdG, kBwdBeta, kBwdCuSeqlens, kBwdCheckpoints, kBwdGradO,
+  kBwdGradFinalState, kBwdPacked, kBwdPartials, kBwdCarry, kBwdParams
+};
+enum GdnReduceSlot : int { kRedCuSeqlens = 0, kRedPartials, kRedPacked, kRedParams };
+
+struct GdnForwardPlan {
+  Launch launch;  // threadgroups.count() == 0: nothing to dispatch (N == 0)
+  GdnParams params;
+};
+
+// max_threads: the pipeline's maxTotalThreadsPerThreadgroup (a multiple of 32).
+inline GdnForwardPlan gdn_forward_plan(const GdnShape& s, uint32_t max_threads = 1024) {
+  GdnForwardPlan f;
+  f.params = gdn_params(s);
+  const uint32_t nsg = std::max<uint32_t>(
+      1, std::min<uint32_t>({kGdnForwardSimdgroups, max_threads / kSimdWidth,
+                             uint32_t(s.head_v_dim)}));
+  f.params.simdgroups = nsg;
+  f.params.num_vblocks = ceil_div(uint64_t(s.head_v_dim), nsg);
+  f.launch.kernel = gdn_kernel_name(false, s.dtype);
+  f.launch.threads.x = nsg * kSimdWidth;
+  f.launch.threadgroups = {f.params.num_vblocks, uint32_t(s.num_v_heads), uint32_t(s.num_seqs)};
+  f.launch.params_index = kFwdParams;
+  return f;
+}
+
+struct GdnBackwardPlan {
+  Launch backward, reduce;  // per window; params.window_lo/hi set by window()
+  GdnParams params;
+  uint32_t num_windows = 0;
+  uint64_t partial_floats = 0;  // size of the partials buffer
+  uint64_t carry_floats = 0;    // size of the carry buffer (0: not used, bind any buffer)
+
+  // Params of window w (w = 0 is the last chunks; the host encodes w = 0, 1, ...).
+  GdnParams window(uint32_t w) const {
+    GdnParams p = params;
+    const int64_t hi = int64_t(params.window_hi) - int64_t(w) * params.window_chunks;
+    p.window_hi = uint32_t(hi);
+    p.window_lo = uint32_t(std::max<int64_t>(0, hi - params.window_chunks));
+    return p;
+  }
+};
+
+// Threadgroup floats of gated_delta_bwd: states of one sub-chunk for every simdgroup, then
+// one row of contributions per simdgroup (dq, dk: Kp each; dg: Kp or 1; dbeta: 1).
+inline uint64_t gdn_backward_tg_floats(uint32_t nsg, uint32_t sub, uint32_t kp, bool per_channel) {
+  const uint64_t row = 2ull * kp + (per_channel ? kp : 1) + 1;
+  return uint64_t(sub) * nsg * kp + nsg * row;
+}
+
+// partial_budget: bytes of partial sums one window may use (at least one chunk's worth).
+inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads = 1024,
+                                         uint64_t partial_budget = kGdnPartialBudget) {
+  GdnBackwardPlan b;
+  b.params = gdn_params(s);
+  GdnParams& p = b.params;
+  const uint32_t kp = p.k_per_lane * kSimdWidth;
+  const uint32_t chunk = uint32_t(s.chunk);
+  const uint64_t tg_floats_max = kMaxThreadgroupMemory / sizeof(float);
+  // The most simdgroups (fewest V-blocks, so fewest partials) whose sub-chunk of kept
+  // states is still >= min(8, C) steps; a shorter sub-chunk means more recomputation
+  // (each chunk costs C (C / sub + 1) / 2 recomputed steps).
+  uint32_t nsg = std::max<uint32_t>(1, std::min<uint32_t>({8, max_threads / kSimdWidth,
+                                                           uint32_t(s.head_v_dim)}));
+  uint32_t sub = 1;
+  for (; nsg >= 1; --nsg) {
+    const uint64_t rest = tg_floats_max - std::min(tg_floats_max,
+                                                   gdn_backward_tg_floats(nsg, 0, kp, s.gate_per_channel));
+    sub = uint32_t(std::min<uint64_t>(chunk, rest / (uint64_t(nsg) * kp)));
+    if (sub >= std::min<uint32_t>(8, chunk) || nsg == 1) break;
+  }
+  sub = std::max<uint32_t>(1, sub);
+  p.simdgroups = nsg;
+  p.sub = sub;
+  p.num_vblocks = ceil_div(uint64_t(s.head_v_dim), nsg);
+  p.reduce_simdgroups = kGdnReduceSimdgroups;
+
+  // Partial floats per row: dq + dk (K each), dg (K or 1), dbeta, for every (V-block, hv).
+  const uint64_t per_row = uint64_t(p.num_vblocks) * s.num_v_heads *
+                           (2ull * s.head_k_dim + (s.gate_per_channel ? s.head_k_dim : 1) + 1);
+  const uint64_t per_chunk_bytes = per_row * uint64_t(s.num_seqs) * chunk * sizeof(float);
+  const uint64_t max_chunks = uint64_t(std::max<int64_t>(s.max_chunks, 1));
+  const uint64_t fit = per_chunk_bytes == 0 ? max_chunks : partial_budget / per_chunk_bytes;
+  const uint32_t w = uint32_t(std::clamp<uint64_t>(fit, 1, max_chunks));
+  p.window_chunks = w;
+  p.window_hi = uint32_t(max_chunks);
+  p.window_lo = uint32_t(max_chunks - std::min<uint64_t>(w, max_chunks));
+  b.num_windows = ceil_div(max_chunks, w);
+
+  const uint64_t rows = uint64_t(s.num_seqs) * w * chunk;
+  const uint64_t per_vb_rows = uint64_t(p.num_vblocks) * rows * s.num_v_heads;
+  p.part_dk_offset = per_vb_rows * s.head_k_dim;
+  p.part_dg_offset = 2 * p.part_dk_offset;
+  p.part_dbeta_offset = p.part_dg_offset + per_vb_rows * (s.gate_per_channel ? s.head_k_dim : 1);
+  b.partial_floats = p.part_dbeta_offset + per_vb_rows;
+  b.carry_floats = b.num_windows > 1 ? uint64_t(s.num_seqs) * s.num_v_heads * s.head_k_dim *
+                                           s.head_v_dim
+                                     : 0;
+
+  b.backward.kernel = gdn_kernel_name(true, s.dtype);
+  b.backward.threads.x = nsg * kSimdWidth;
+  b.backward.threadgroups = {p.num_vblocks, uint32_t(s.num_v_heads), uint32_t(s.num_seqs)};
+  b.backward.threadgroup_memory[0] =
+      threadgroup_bytes(gdn_backward_tg_floats(nsg, sub, kp, s.gate_per_channel) * sizeof(float));
+  b.backward.n_threadgroup_memory = 1;
+  b.backward.params_index = kBwdParams;
+
+  b.reduce.kernel = "gated_delta_bwd_reduce";
+  b.reduce.threads.x = kGdnReduceSimdgroups * kSimdWidth;
+  b.reduce.threadgroups = {ceil_div(rows, kGdnReduceSimdgroups), uint32_t(s.num_qk_heads), 1};
+  b.reduce.params_index = kRedParams;
+  if (s.num_seqs == 0) {
+    b.num_windows = 0;
+    b.backward.threadgroups = {0, 0, 0};
+  }
+  return b;
+}
+
+}  // namespace rlx::mps
