@@ -27,25 +27,26 @@ PROMPT = "And God said"
 
 
 # ---------------------------------------------------------------- command line
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+def _number(text: str, kind, ok, expected: str):
+    try:
+        value = kind(text)
+    except ValueError:
+        value = None
+    if value is None or not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {expected}, got {text!r}")
     return value
+
+
+def _positive_int(text: str) -> int:
+    return _number(text, int, lambda v: v >= 1, "a positive integer")
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+    return _number(text, int, lambda v: v >= 0, "an integer >= 0")
 
 
 def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0 or not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
-    return value
+    return _number(text, float, lambda v: v > 0 and math.isfinite(v), "a positive number")
 
 
 def build_parser() -> argparse.ArgumentParser:

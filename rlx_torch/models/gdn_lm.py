@@ -1,5 +1,6 @@
 """A small decoder-only language model made of Gated DeltaNet blocks."""
 
+import math
 from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
@@ -26,7 +27,7 @@ class GDNConfig:
     use_short_conv: bool = True
     conv_size: int = 4
     use_output_gate: bool = True
-    intermediate_size: int | None = None  # default: 4 * hidden_size rounded to a multiple of 32
+    intermediate_size: int | None = None  # default: 8/3 * hidden_size, rounded up to 32k (SwiGLU)
     norm_eps: float = 1e-5
     initializer_range: float = 0.02
     tie_embeddings: bool = False
@@ -34,7 +35,7 @@ class GDNConfig:
     def mlp_width(self) -> int:
         if self.intermediate_size is not None:
             return self.intermediate_size
-        return 32 * max(1, round(4 * self.hidden_size / 32))
+        return 32 * math.ceil(8 * self.hidden_size / 3 / 32)
 
 
 class SwiGLU(nn.Module):
