@@ -18,6 +18,12 @@
 
 #include "runtime.h"
 
+// The emulator accepts the Metal 3.1 language (bfloat); sources guard bfloat kernels with
+// `#if __METAL_VERSION__ >= 310` so that older macOS still compiles the rest.
+#ifndef __METAL_VERSION__
+#define __METAL_VERSION__ 310
+#endif
+
 namespace metal {
 
 using uint = unsigned int;

@@ -1,0 +1,86 @@
+"""The MSL lint (tools/msl_lint.py) over every Metal source, and proof that it rejects each
+construct it is meant to reject. Also checks the generated header that embeds the sources."""
+
+import glob
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+import embed_metal  # noqa: E402
+import msl_lint  # noqa: E402
+
+METAL_FILES = sorted(glob.glob(os.path.join(ROOT, "csrc", "mps", "kernels", "*.metal"))) + sorted(
+    glob.glob(os.path.join(ROOT, "tests", "metal_emu", "kernels", "*.metal"))
+)
+
+GOOD = """#include <metal_stdlib>
+using namespace metal;
+inline float twice(float x) { return 2.0f * x; }
+kernel void k(device float* x [[buffer(0)]], threadgroup float* tile [[threadgroup(0)]],
+              uint i [[thread_position_in_grid]]) {
+  threadgroup float* row = tile + 1;  // a pointer into threadgroup memory is fine
+  row[0] = twice(x[i]);             // "double" in a comment or std:: in a string is fine
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  x[i] = row[0];
+}
+"""
+
+
+def test_metal_files_exist():
+    assert METAL_FILES, "no .metal files found"
+
+
+@pytest.mark.parametrize("path", METAL_FILES, ids=os.path.basename)
+def test_every_metal_file_is_clean(path):
+    assert msl_lint.lint_files([path]) == []
+
+
+def test_clean_source_passes():
+    assert msl_lint.lint_source(GOOD, "good.metal") == []
+
+
+@pytest.mark.parametrize(
+    "old,new,message",
+    [
+        ("return 2.0f * x;", "return double(2) * x;", "`double` is not supported"),
+        ("return 2.0f * x;", "return std::max(x, 0.0f);", "`std::` is not available"),
+        ("using namespace metal;", '#include "common.h"\nusing namespace metal;',
+         "only <metal_stdlib> may be included"),
+        ("return 2.0f * x;", "return x > 1.0f ? twice(x / 2.0f) : x;", "recursion: twice -> twice"),
+        ("threadgroup float* row = tile + 1;", "threadgroup float row[4];",
+         "threadgroup variable declared in a function body"),
+        ("uint i [[thread_position_in_grid]]", "uint i", "parameter 'i' needs"),
+    ],
+)
+def test_lint_rejects(old, new, message):
+    assert old in GOOD
+    problems = msl_lint.lint_source(GOOD.replace(old, new), "bad.metal")
+    assert any(message in p for p in problems), problems
+
+
+def test_lint_finds_mutual_recursion():
+    src = GOOD.replace(
+        "inline float twice(float x) { return 2.0f * x; }",
+        "float odd(float x);\ninline float even(float x) { return x < 1 ? x : odd(x - 1); }\n"
+        "inline float odd(float x) { return even(x - 1); }\n"
+        "inline float twice(float x) { return even(x); }",
+    )
+    problems = msl_lint.lint_source(src, "bad.metal")
+    assert any("recursion: even -> odd -> even" in p for p in problems), problems
+
+
+def test_embedded_header_holds_every_kernel_file(tmp_path):
+    out = embed_metal.generate(ROOT, str(tmp_path))
+    text = (tmp_path / "rlx" / "mps_kernels_embedded.h").read_text()
+    assert out == str(tmp_path)
+    kernel_files = embed_metal.kernel_files(ROOT)
+    assert f"kNumSources = {len(kernel_files)};" in text
+    for path in kernel_files:
+        with open(path) as f:
+            assert f.read() in text
+    with pytest.raises(ValueError, match="delimiter"):
+        embed_metal.render([("x.metal", 'a )RLX_METAL" b')])
