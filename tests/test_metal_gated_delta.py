@@ -155,7 +155,7 @@ def check_backward(emu, p, grad_final=True, order="forward", seed=0, budget=128 
     packed_ref = p.cpu_backward(ckpt_ref, grad_o, gfin)
     views = unpack_gradients(packed, p.q, p.v, p.g, p.h0, p.cu)
     refs = unpack_gradients(packed_ref, p.q, p.v, p.g, p.h0, p.cu)
-    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), views, refs):
+    for name, a, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), views, refs, strict=True):
         if e is not None:
             close(a, e, 5e-5, name)
     assert packed.numel() == packed_ref.numel()
@@ -210,8 +210,10 @@ BACKWARD_CASES = {
     "gva": dict(B=1, T=6, H=2, HV=4, K=12, V=5, initial_state=True, chunk=4),
     "per_channel": dict(B=1, T=8, H=1, HV=2, K=40, V=6, per_channel=True, chunk=3,
                         initial_state=True),
-    "varlen": dict(B=1, T=13, H=1, HV=2, K=20, V=7, cu_seqlens=[0, 6, 6, 13],
+    "varlen": dict(B=1, T=13, H=1, HV=2, K=20, V=19, cu_seqlens=[0, 6, 6, 13],
                    initial_state=True, chunk=4),
+    "vblocks_gva_per_channel": dict(B=2, T=5, H=1, HV=2, K=70, V=21, per_channel=True,
+                                    chunk=64),
     "k256": dict(B=1, T=3, H=1, HV=1, K=256, V=2, per_channel=True, chunk=2,
                  initial_state=True),
 }

@@ -115,15 +115,18 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
                : 0.0f;
   }
   float kk[kMaxKPerLane], qq[kMaxKPerLane], a[kMaxKPerLane];
+  ulong slot = ckpt_base;
+  uint to_checkpoint = 0;  // counts down instead of a 64-bit modulo per token
   for (ulong tok = sb.bos; tok < sb.eos; ++tok) {
-    const ulong rel = tok - sb.bos;
-    if (rel % C == 0) {  // the state before token j*C of this sequence
-      const ulong slot = ckpt_base + rel / C;
+    if (to_checkpoint == 0) {  // the state before token j*C of this sequence: slot base + j
+      to_checkpoint = C;
       for (uint j = 0; j < kMaxKPerLane; ++j) {
         const uint r = lane + 32 * j;
         if (j < nk && r < K) checkpoints[state_index(p, slot, hv, r, col)] = s[j];
       }
+      ++slot;
     }
+    --to_checkpoint;
     load_lane_rows(k + (tok * H + h) * K, K, nk, lane, kk);
     load_lane_rows(q + (tok * H + h) * K, K, nk, lane, qq);
     load_decay(p, g, tok, hv, lane, a);
@@ -365,10 +368,13 @@ kernel void gated_delta_bwd_reduce(device const long* cu_seqlens [[buffer(0)]],
 }
 
 // decltype keeps the instantiations in step with the signatures (parameter attributes and
-// all). bfloat needs Metal 3.1 (macOS 14).
+// all).
 template [[host_name("gated_delta_fwd_f32")]] [[kernel]] decltype(gated_delta_fwd<float>) gated_delta_fwd<float>;
 template [[host_name("gated_delta_fwd_f16")]] [[kernel]] decltype(gated_delta_fwd<half>) gated_delta_fwd<half>;
-template [[host_name("gated_delta_fwd_bf16")]] [[kernel]] decltype(gated_delta_fwd<bfloat>) gated_delta_fwd<bfloat>;
 template [[host_name("gated_delta_bwd_f32")]] [[kernel]] decltype(gated_delta_bwd<float>) gated_delta_bwd<float>;
 template [[host_name("gated_delta_bwd_f16")]] [[kernel]] decltype(gated_delta_bwd<half>) gated_delta_bwd<half>;
+// bfloat: Metal 3.1 (macOS 14) and the emulator (which defines no __METAL_VERSION__).
+#if !defined(__METAL_VERSION__) || __METAL_VERSION__ >= 310
+template [[host_name("gated_delta_fwd_bf16")]] [[kernel]] decltype(gated_delta_fwd<bfloat>) gated_delta_fwd<bfloat>;
 template [[host_name("gated_delta_bwd_bf16")]] [[kernel]] decltype(gated_delta_bwd<bfloat>) gated_delta_bwd<bfloat>;
+#endif

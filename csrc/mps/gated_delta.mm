@@ -1,0 +1,206 @@
+// Gated delta rule on MPS: host code of csrc/mps/kernels/gated_delta.metal. Validation is the
+// CPU op's (rlx/gdn_checks.h), launch plans come from rlx/mps_gated_delta_plan.h (also run by
+// the Linux emulator tests), encoding from mps_common.h. Same contracts as the CPU op:
+// checkpoints every chunk_size tokens, one packed float32 gradient buffer.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "mps_common.h"
+#include "rlx/gdn_backward_layout.h"
+#include "rlx/gdn_checks.h"
+#include "rlx/mps_gated_delta_plan.h"
+
+namespace rlx {
+namespace {
+
+constexpr const char* kSource = "gated_delta";
+
+mps::GdnDtype kernel_dtype(const char* op, at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return mps::GdnDtype::Float32;
+    case at::kHalf: return mps::GdnDtype::Float16;
+    case at::kBFloat16: return mps::GdnDtype::BFloat16;
+    default:
+      TORCH_CHECK(false, op, ": on MPS, q, k and v must be float32, float16 or bfloat16 (Apple "
+                  "GPUs have no float64), got ", t);
+  }
+  return mps::GdnDtype::Float32;
+}
+
+// Sizes for the plan. The longest sequence bounds the backward's windows; cu_seqlens was
+// already read on the host by gdn_check_inputs, this reads it once more.
+mps::GdnShape shape_of(const char* op, const GdnProblem& p,
+                       const std::optional<at::Tensor>& cu_seqlens, double scale,
+                       bool has_grad_final) {
+  mps::GdnShape s;
+  s.batch = p.batch;
+  s.seq_len = p.seq_len;
+  s.num_qk_heads = p.num_qk_heads;
+  s.num_v_heads = p.num_v_heads;
+  s.head_k_dim = p.head_k_dim;
+  s.head_v_dim = p.head_v_dim;
+  s.num_seqs = p.num_seqs;
+  s.chunk = p.chunk;
+  s.gate_per_channel = p.gate_per_channel;
+  s.varlen = p.varlen;
+  s.has_initial_state = p.has_initial_state;
+  s.has_grad_final = has_grad_final;
+  s.scale = scale;
+  s.dtype = kernel_dtype(op, p.input_dtype);
+  int64_t longest = p.seq_len;
+  if (cu_seqlens.has_value()) {
+    const at::Tensor cu = cu_seqlens->to(at::kCPU).contiguous();
+    const int64_t* c = cu.data_ptr<int64_t>();
+    longest = 0;
+    for (int64_t i = 0; i + 1 < cu.numel(); ++i) longest = std::max(longest, c[i + 1] - c[i]);
+  }
+  s.max_chunks = gdn_num_chunks(longest, p.chunk);
+  const int64_t limit = int64_t(UINT32_MAX);
+  TORCH_CHECK(p.seq_len < limit && p.num_seqs < limit && s.max_chunks * p.chunk < limit, op,
+              ": sequences longer than 2^32 tokens are not supported on MPS");
+  return s;
+}
+
+void check_mps(const char* op, const char* name, const at::Tensor& t) {
+  TORCH_CHECK(t.is_mps(), op, ": ", name, " must be on the MPS device, got ", t.device());
+}
+
+// cu_seqlens may come from the CPU (it is small, and read on the host anyway).
+at::Tensor on_device(const at::Tensor& cu_seqlens, const at::Tensor& like) {
+  return cu_seqlens.to(like.device()).contiguous();
+}
+
+uint32_t max_threads(bool backward, mps::GdnDtype t) {
+  return uint32_t(mps::pipeline(kSource, mps::gdn_kernel_name(backward, t))
+                      .maxTotalThreadsPerThreadgroup);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
+    const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+    const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
+    int64_t chunk_size) {
+  const char* op = "rlx::gated_delta_fwd";
+  const GdnProblem p = gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state,
+                                        cu_seqlens, chunk_size);
+  check_mps(op, "q", q_in);
+  const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, false);
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  at::Tensor o = at::empty_like(v, at::MemoryFormat::Contiguous);
+  at::Tensor ht = at::empty({p.num_seqs, HV, K, V}, q.options().dtype(at::kFloat));
+  at::Tensor ckpt = at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
+                              q.options().dtype(at::kFloat));
+  const mps::GdnForwardPlan plan = mps::gdn_forward_plan(s, max_threads(false, s.dtype));
+  mps::Dispatch d;
+  d.launch = plan.launch;
+  d.set_params(plan.params);
+  // Absent optional inputs bind a tensor the kernel never reads (its flags say so).
+  d.buffers = {{mps::kFwdQ, q},
+               {mps::kFwdK, k},
+               {mps::kFwdV, v},
+               {mps::kFwdG, g},
+               {mps::kFwdBeta, beta},
+               {mps::kFwdInitialState, initial_state ? initial_state->contiguous() : ht},
+               {mps::kFwdCuSeqlens, cu_seqlens ? on_device(*cu_seqlens, q) : ht},
+               {mps::kFwdO, o},
+               {mps::kFwdFinalState, ht},
+               {mps::kFwdCheckpoints, ckpt}};
+  mps::encode(kSource, {d});
+  return {o, ht, ckpt};
+}
+
+at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
+                               const at::Tensor& v_in, const at::Tensor& g_in,
+                               const at::Tensor& beta_in, double scale,
+                               const std::optional<at::Tensor>& initial_state,
+                               const std::optional<at::Tensor>& cu_seqlens,
+                               const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
+                               const std::optional<at::Tensor>& grad_final_state,
+                               int64_t chunk_size) {
+  const char* op = "rlx::gated_delta_bwd";
+  const GdnProblem p =
+      gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
+  check_mps(op, "q", q_in);
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
+  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
+                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
+                  checkpoints.size(3) == V && checkpoints.scalar_type() == at::kFloat,
+              op, ": checkpoints must be the float32 [", slots, ", ", HV, ", ", K, ", ", V,
+              "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
+              checkpoints.scalar_type(), " ", checkpoints.sizes());
+  TORCH_CHECK(grad_o_in.sizes() == v_in.sizes() && grad_o_in.scalar_type() == p.input_dtype, op,
+              ": grad_o must have o's shape ", v_in.sizes(), " and dtype ", p.input_dtype,
+              ", got ", grad_o_in.scalar_type(), " ", grad_o_in.sizes());
+  check_mps(op, "checkpoints", checkpoints);
+  check_mps(op, "grad_o", grad_o_in);
+  if (grad_final_state.has_value()) {
+    const at::Tensor& gh = *grad_final_state;
+    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
+                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == at::kFloat,
+                op, ": grad_final_state must be float32 [", p.num_seqs, ", ", HV, ", ", K, ", ",
+                V, "], got ", gh.scalar_type(), " ", gh.sizes());
+    check_mps(op, "grad_final_state", gh);
+  }
+  const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, grad_final_state.has_value());
+  const GdnBackwardLayout lay = GdnBackwardLayout::make(
+      p.batch, p.seq_len, p.num_qk_heads, HV, K, V, p.num_seqs, p.gate_per_channel,
+      p.has_initial_state);
+  const auto f32 = q_in.options().dtype(at::kFloat);
+  // Every element is written by the kernels (no zero-fill pass).
+  at::Tensor packed = at::empty({lay.total}, f32);
+  const mps::GdnBackwardPlan plan = mps::gdn_backward_plan(s, max_threads(true, s.dtype));
+  at::Tensor partials = at::empty({int64_t(std::max<uint64_t>(plan.partial_floats, 1))}, f32);
+  at::Tensor carry = plan.carry_floats > 0 ? at::empty({int64_t(plan.carry_floats)}, f32)
+                                           : partials;
+  const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
+  const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
+  const at::Tensor cu = cu_seqlens ? on_device(*cu_seqlens, q) : packed;
+  const at::Tensor grad_ht = grad_final_state ? grad_final_state->contiguous() : packed;
+
+  std::vector<mps::Dispatch> dispatches;
+  for (uint32_t w = 0; w < plan.num_windows; ++w) {
+    const mps::GdnParams params = plan.window(w);
+    mps::Dispatch bwd;
+    bwd.launch = plan.backward;
+    bwd.set_params(params);
+    bwd.buffers = {{mps::kBwdQ, q},
+                   {mps::kBwdK, k},
+                   {mps::kBwdV, v},
+                   {mps::kBwdG, g},
+                   {mps::kBwdBeta, beta},
+                   {mps::kBwdCuSeqlens, cu},
+                   {mps::kBwdCheckpoints, ckpt},
+                   {mps::kBwdGradO, grad_o},
+                   {mps::kBwdGradFinalState, grad_ht},
+                   {mps::kBwdPacked, packed},
+                   {mps::kBwdPartials, partials},
+                   {mps::kBwdCarry, carry}};
+    mps::Dispatch red;
+    red.launch = plan.reduce;
+    red.set_params(params);
+    red.buffers = {{mps::kRedCuSeqlens, cu}, {mps::kRedPartials, partials},
+                   {mps::kRedPacked, packed}};
+    dispatches.push_back(std::move(bwd));
+    dispatches.push_back(std::move(red));
+  }
+  mps::encode(kSource, dispatches);
+  return packed;
+}
+
+}  // namespace
+}  // namespace rlx
+
+TORCH_LIBRARY_IMPL(rlx, MPS, m) {
+  m.impl("gated_delta_fwd", &rlx::gated_delta_fwd_mps);
+  m.impl("gated_delta_bwd", &rlx::gated_delta_bwd_mps);
+}
