@@ -231,23 +231,28 @@ class Muon(Optimizer):
         stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
         ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
         ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
-        # One pass: back to the param dtype, contiguous in the param's [rows, cols] layout.
-        delta = torch.empty(stacked.shape, dtype=dtype, device=device)
-        delta.copy_(ortho)
-
         scale = lr_scale(group["adjust_lr_fn"], rows, cols)
-        if isinstance(lr, Tensor):
+        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
+        delta = torch.empty(stacked.shape, dtype=dtype, device=device)
+
+        def pieces():
+            return [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
+
+        if isinstance(lr, Tensor):  # device-resident lr: tensor arithmetic, no read-back
+            delta.copy_(ortho)
             if weight_decay != 0.0:
                 torch._foreach_mul_(params, 1.0 - lr * weight_decay)
             delta.mul_(lr * -scale)
-            alpha = 1.0
+            torch._foreach_add_(params, pieces())
+        elif weight_decay != 0.0 and lr != 0.0 and dtype != torch.float16:
+            # Decay and update in one pass over the params:
+            # (1 - lr*wd) p - lr*scale*O  ==  lerp(p, -(scale/wd) O, lr*wd).
+            # (Not for float16 params: -(scale/wd) O can overflow its range.)
+            torch.mul(ortho, -scale / weight_decay, out=delta)
+            torch._foreach_lerp_(params, pieces(), lr * weight_decay)
         else:
-            if weight_decay != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-            alpha = -lr * scale
-        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
-        pieces = [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
-        torch._foreach_add_(params, pieces, alpha=alpha)
+            delta.copy_(ortho)  # back to the param dtype and the [rows, cols] layout
+            torch._foreach_add_(params, pieces(), alpha=-lr * scale)
 
     def _adamw_step(self, group: dict) -> None:
         per_device = defaultdict(list)

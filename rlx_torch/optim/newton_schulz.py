@@ -97,16 +97,15 @@ def newton_schulz(
     """Orthogonalizes every matrix of `G` (`[..., m, n]`) in `dtype`; returns a new tensor.
 
     The result never shares memory with `G` (the first operation writes into a fresh buffer),
-    so callers may pass a momentum buffer. Wide orientation is used internally (`m <= n`) so the
-    Gram matrix `X·Xᵀ` is the small one. Makes no host-device synchronisation.
+    so callers may pass a momentum buffer. The Gram matrix is always the small side: `X·Xᵀ`
+    for wide matrices, `Xᵀ·X` (and right-multiplication) for tall ones, which avoids
+    transposed copies. Makes no host-device synchronisation.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have >= 2 dims, got shape {tuple(G.shape)}")
     batch_shape = G.shape[:-2]
     G = G.reshape(-1, *G.shape[-2:])
-    transposed = G.size(-2) > G.size(-1)
-    if transposed:
-        G = G.mT
+    tall = G.size(-2) > G.size(-1)
     # Normalise with the norm taken in float32 (a bf16 norm of a large matrix loses digits);
     # writing the quotient through `out=` casts to `dtype` without another pass.
     norm_dtype = torch.promote_types(G.dtype, torch.float32)
@@ -116,9 +115,8 @@ def newton_schulz(
     X = torch.empty(G.shape, dtype=dtype, device=G.device)
     torch.div(G, norm.clamp_min_(eps), out=X)
     for a, b, c in schedule.coefficients:
-        A = torch.bmm(X, X.mT)
+        # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
+        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-        X = torch.baddbmm(X, B, X, beta=a)
-    if transposed:
-        X = X.mT
+        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(*batch_shape, *X.shape[-2:])
