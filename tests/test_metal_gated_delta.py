@@ -274,3 +274,81 @@ def test_kernel_bounds_are_checked(emu):
     _, _, ckpt = p.cpu_forward()
     with pytest.raises(EmulatorError, match="out-of-bounds"):
         p.emu_backward(emu, ckpt[:-2].contiguous(), torch.randn(p.v.shape), None)
+
+
+# ---- launch plans and the params struct -----------------------------------------------------
+
+PARAM_FIELDS = (
+    "tokens dq_offset dk_offset dv_offset dg_offset dbeta_offset dstate_offset part_dk_offset "
+    "part_dg_offset part_dbeta_offset seq_len num_seqs num_qk_heads num_v_heads head_k_dim "
+    "head_v_dim group k_per_lane gate_per_channel has_initial_state has_grad_final varlen chunk "
+    "simdgroups num_vblocks sub window_lo window_hi window_chunks reduce_simdgroups scale"
+).split()
+
+
+def test_params_struct_matches_the_metal_struct(tmp_path):
+    # The .metal struct (as the emulator translates it: MSL's uint/ulong/float sizes) and the
+    # plan header's struct must agree field for field, or the host would pass garbage.
+    import subprocess
+    from pathlib import Path
+
+    from tests.metal_emu import CXX, INCLUDE, REPO
+    from tests.metal_emu.translate import generate
+
+    cpp, _ = generate(Path(REPO / KERNELS).read_text(), KERNELS)
+    checks = [f"static_assert(offsetof(::GdnParams, {f}) == offsetof(rlx::mps::GdnParams, {f}) "
+              f"&& sizeof(::GdnParams::{f}) == sizeof(rlx::mps::GdnParams::{f}), \"{f}\");"
+              for f in PARAM_FIELDS]
+    checks.append("static_assert(sizeof(::GdnParams) == sizeof(rlx::mps::GdnParams));")
+    src = tmp_path / "layout.cpp"
+    src.write_text('#include <cstddef>\n#include "rlx/mps_gated_delta_plan.h"\n' + cpp +
+                   "\n".join(checks) + "\n")
+    proc = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-w", f"-I{INCLUDE}",
+                           f"-I{REPO / 'csrc' / 'include'}", str(src)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def backward_sizes(plans, p, max_threads=1024, budget=128 << 20):
+    args = p.plan_args(True, max_threads, budget)
+    out = (ctypes.c_int64 * 6)()
+    assert plans.gdn_backward_sizes((ctypes.c_int64 * len(args))(*args), len(args), out) == 0
+    return dict(zip(("windows", "partial_floats", "carry_floats", "simdgroups", "sub",
+                     "window_chunks"), out, strict=True))
+
+
+@pytest.mark.parametrize("K", [1, 31, 64, 128, 200, 256])
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_backward_plan_fits_threadgroup_memory(emu, K, per_channel):
+    _, plans = emu
+    p = Problem(B=1, T=300, H=1, HV=2, K=K, V=128, per_channel=per_channel)
+    plan = call_plan(plans.plan_gdn_backward, *p.plan_args(True), 0)
+    sizes = backward_sizes(plans, p)
+    kp = 32 * ((K + 31) // 32)
+    row = 2 * kp + (kp if per_channel else 1) + 1
+    nsg, sub = sizes["simdgroups"], sizes["sub"]
+    assert plan.threads == (32 * nsg, 1, 1)
+    assert plan.threadgroup_memory[0] >= 4 * (sub * nsg * kp + nsg * row)
+    assert plan.threadgroup_memory[0] <= 32768 and plan.threadgroup_memory[0] % 16 == 0
+    assert sub >= 8  # the recomputation stays bounded: C (C / sub + 1) / 2 steps per chunk
+    assert plan.threadgroups == ((128 + nsg - 1) // nsg, 2, 1)
+
+
+def test_backward_plan_windows_bound_the_partials(emu):
+    _, plans = emu
+    p = Problem(B=3, T=1000, H=1, HV=2, K=64, V=64, chunk=64)
+    one = backward_sizes(plans, p)
+    assert one["windows"] == 1 and one["carry_floats"] == 0
+    budget = 4 << 20
+    many = backward_sizes(plans, p, budget=budget)
+    assert many["windows"] > 1 and many["partial_floats"] * 4 <= budget
+    assert many["carry_floats"] == 3 * 2 * 64 * 64
+    assert many["windows"] == -(-p.max_chunks // many["window_chunks"])
+
+
+def test_forward_plan_respects_the_pipeline_thread_limit(emu):
+    _, plans = emu
+    p = Problem(B=2, T=3, H=1, HV=3, K=8, V=10)
+    assert call_plan(plans.plan_gdn_forward, *p.plan_args(False, 1024)).threads == (128, 1, 1)
+    plan = call_plan(plans.plan_gdn_forward, *p.plan_args(False, 32))
+    assert plan.threads == (32, 1, 1) and plan.threadgroups == (10, 3, 2)
