@@ -28,26 +28,38 @@
 namespace rlx {
 namespace {
 
-// Dot product with 8 independent partial sums: vectorizes without -ffast-math and the
-// summation order is fixed, so results are reproducible.
+// The working state is column-major: column j of S (K contiguous values) is what token
+// t's update touches for output channel j, so each step streams every column once or twice
+// from L1 and all the reductions over K vectorize. Checkpoints and user-facing states keep
+// fla's [K, V] layout and are transposed on the way in and out (once per C tokens).
+//
+// Reductions use 8 independent partial sums: they vectorize without -ffast-math and their
+// order is fixed, so results are reproducible.
+constexpr int64_t kLanes = 8;
+
 template <typename T>
-inline T dot(const T* __restrict a, const T* __restrict b, int64_t n) {
-  constexpr int64_t L = 8;
-  T part[L] = {};
-  int64_t j = 0;
-  for (; j + L <= n; j += L) {
-    for (int64_t l = 0; l < L; ++l) part[l] += a[j + l] * b[j + l];
-  }
-  for (int64_t l = 0; j < n; ++j, ++l) part[l] += a[j] * b[j];
+inline T sum_lanes(const T* part) {
   T s = 0;
-  for (int64_t l = 0; l < L; ++l) s += part[l];
+  for (int64_t l = 0; l < kLanes; ++l) s += part[l];
   return s;
+}
+
+// sum_r a[r] * x[r] * y[r]
+template <typename T>
+inline T dot3(const T* __restrict a, const T* __restrict x, const T* __restrict y, int64_t n) {
+  T part[kLanes] = {};
+  int64_t r = 0;
+  for (; r + kLanes <= n; r += kLanes) {
+    for (int64_t l = 0; l < kLanes; ++l) part[l] += a[r + l] * x[r + l] * y[r + l];
+  }
+  for (int64_t l = 0; r < n; ++r, ++l) part[l] += a[r] * x[r] * y[r];
+  return sum_lanes(part);
 }
 
 template <typename acc_t>
 using AccVec = std::vector<acc_t>;
 
-// Raw pointers and sizes of one call; token index tok = b * T + t (packed when varlen).
+// Raw pointers of one call; token index tok = b * T + t (the packed position when varlen).
 template <typename in_t, typename acc_t>
 struct Views {
   const in_t *q, *k, *v;
@@ -56,7 +68,7 @@ struct Views {
   acc_t scale;
 };
 
-// Loads row `tok, head` of a [tokens, heads, D] input as acc_t.
+// Loads row (tok, head) of a [tokens, heads, dim] input as acc_t.
 template <typename in_t, typename acc_t>
 inline void load_row(const in_t* base, int64_t tok, int64_t heads, int64_t head, int64_t dim,
                      acc_t* out) {
@@ -64,8 +76,7 @@ inline void load_row(const in_t* base, int64_t tok, int64_t heads, int64_t head,
   for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<acc_t>(src[i]);
 }
 
-// Per-step decay factors a = exp(g) for value head hv: one per key channel (K of them) or
-// one broadcast to all K rows.
+// Decay factors a = exp(g) of value head hv: one per key channel, or one broadcast to all K.
 template <typename acc_t>
 inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t hv,
                        acc_t* a) {
@@ -79,45 +90,93 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
   }
 }
 
-// One forward step on a K x BV block of S (row stride BV). Writes w = (v - P^T k) restricted
-// to the block into vw (for the backward) and the output block into o.
+// Column block [v0, v0 + nv) of a row-major [K, V] state <-> column-major [nv, K].
 template <typename acc_t>
-inline void step(acc_t* __restrict S, int64_t K, int64_t BV, const acc_t* a, const acc_t* kv,
-                 const acc_t* qs, const acc_t* vv, acc_t b, acc_t* __restrict vw,
-                 acc_t* __restrict u, acc_t* __restrict o) {
-  std::fill(vw, vw + BV, acc_t(0));
-  for (int64_t r = 0; r < K; ++r) {  // decay, and w = P^T k (accumulated in vw)
-    acc_t* row = S + r * BV;
-    const acc_t ar = a[r], kr = kv[r];
-    for (int64_t j = 0; j < BV; ++j) {
-      row[j] *= ar;
-      vw[j] += kr * row[j];
-    }
+inline void gather_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, int64_t nv,
+                           acc_t* dst) {
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t j = 0; j < nv; ++j) dst[j * K + r] = src[r * V + v0 + j];
   }
-  for (int64_t j = 0; j < BV; ++j) {
-    vw[j] = vv[j] - vw[j];
-    u[j] = b * vw[j];
+}
+template <typename acc_t>
+inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, int64_t nv,
+                            acc_t* dst) {
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t j = 0; j < nv; ++j) dst[r * V + v0 + j] = src[j * K + r];
   }
-  if (o != nullptr) std::fill(o, o + BV, acc_t(0));
-  for (int64_t r = 0; r < K; ++r) {  // rank-1 write, then read out with the scaled q
-    acc_t* row = S + r * BV;
-    const acc_t kr = kv[r], qr = qs[r];
+}
+
+// One token on nv columns (column-major, K each): dst = P + k u^T with P = diag(a) src
+// (dst may equal src). Stores v - P^T k per column in vw (for the backward) and, when o is
+// given, o = dst^T qs.
+template <typename acc_t>
+inline void step(const acc_t* src, acc_t* dst, int64_t K, int64_t nv, const acc_t* __restrict a,
+                 const acc_t* __restrict kv, const acc_t* __restrict qs,
+                 const acc_t* __restrict vv, acc_t b, acc_t* __restrict vw,
+                 acc_t* __restrict o) {
+  for (int64_t j = 0; j < nv; ++j) {
+    const acc_t* s = src + j * K;
+    acc_t* d = dst + j * K;
+    vw[j] = vv[j] - dot3(a, s, kv, K);
+    const acc_t u = b * vw[j];
+    for (int64_t r = 0; r < K; ++r) d[r] = a[r] * s[r] + kv[r] * u;
     if (o != nullptr) {
-      for (int64_t j = 0; j < BV; ++j) {
-        row[j] += kr * u[j];
-        o[j] += qr * row[j];
+      acc_t part[kLanes] = {};
+      int64_t r = 0;
+      for (; r + kLanes <= K; r += kLanes) {
+        for (int64_t l = 0; l < kLanes; ++l) part[l] += qs[r + l] * d[r + l];
       }
-    } else {
-      for (int64_t j = 0; j < BV; ++j) row[j] += kr * u[j];
+      for (int64_t l = 0; r < K; ++r, ++l) part[l] += qs[r] * d[r];
+      o[j] = sum_lanes(part);
     }
   }
+}
+
+// The forward keeps its state block row-major ([K, nv], fla's layout) instead: a block of W
+// columns is updated with w and o accumulating down the rows in registers, so the step
+// needs no horizontal reductions and touches S twice (read, then read-modify-write).
+template <int64_t W, typename acc_t>
+inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
+                            const acc_t* __restrict a, const acc_t* __restrict kv,
+                            const acc_t* __restrict qs, const acc_t* __restrict vv, acc_t b,
+                            acc_t* __restrict o) {
+  acc_t w[W] = {};
+  for (int64_t r = 0; r < K; ++r) {
+    const acc_t* s = S + r * ld;
+    const acc_t f = a[r] * kv[r];
+    for (int64_t l = 0; l < W; ++l) w[l] += f * s[l];
+  }
+  acc_t u[W], out[W] = {};
+  for (int64_t l = 0; l < W; ++l) u[l] = b * (vv[l] - w[l]);
+  for (int64_t r = 0; r < K; ++r) {
+    acc_t* s = S + r * ld;
+    const acc_t ar = a[r], kr = kv[r], qr = qs[r];
+    for (int64_t l = 0; l < W; ++l) {
+      const acc_t x = ar * s[l] + kr * u[l];
+      s[l] = x;
+      out[l] += qr * x;
+    }
+  }
+  for (int64_t l = 0; l < W; ++l) o[l] = out[l];
+}
+
+template <typename acc_t>
+inline void step_rows(acc_t* S, int64_t K, int64_t nv, const acc_t* a, const acc_t* kv,
+                      const acc_t* qs, const acc_t* vv, acc_t b, acc_t* o) {
+  constexpr int64_t W = 128 / sizeof(acc_t);  // four 256-bit registers per accumulator
+  int64_t j = 0;
+  for (; j + W <= nv; j += W) step_rows_block<W>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
+  for (; j + W / 4 <= nv; j += W / 4) {
+    step_rows_block<W / 4>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
+  }
+  for (; j < nv; ++j) step_rows_block<1>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
 }
 
 template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
-  // V-blocks keep the state block in L1 (<= 32 KiB) and give every thread work.
+  // Column blocks keep the state block in L1 (<= 32 KiB) and give every thread work.
   const int64_t threads = at::get_num_threads();
   int64_t BV = V;
   auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
@@ -126,38 +185,96 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
   }
   const int64_t nvb = (V + BV - 1) / BV;
   at::parallel_for(0, p.num_seqs * HV * nvb, 1, [&](int64_t begin, int64_t end) {
-    AccVec<acc_t> S(K * BV), a(K), kv(K), qs(K), vv(BV), vw(BV), u(BV), o(BV);
+    AccVec<acc_t> S(K * BV), a(K), kv(K), qs(K), vv(BV), o(BV);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t vb = task % nvb, hv = (task / nvb) % HV, n = task / (nvb * HV);
-      const int64_t h = hv / p.group(), v0 = vb * BV, bv = std::min(BV, V - v0);
+      const int64_t h = hv / p.group(), v0 = vb * BV, nv = std::min(BV, V - v0);
       int64_t bos, eos;
       gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
       const int64_t base = gdn_checkpoint_base(n, bos, C);
+      // S is [K, nv] row-major here; states outside are [K, V].
       for (int64_t r = 0; r < K; ++r) {
-        for (int64_t j = 0; j < bv; ++j) {
-          S[r * bv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
+        for (int64_t j = 0; j < nv; ++j) {
+          S[r * nv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
         }
       }
-      for (int64_t tok = bos; tok < eos; ++tok) {
-        if ((tok - bos) % C == 0) {
-          acc_t* dst = ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V + v0;
-          for (int64_t r = 0; r < K; ++r) std::memcpy(dst + r * V, &S[r * bv], bv * sizeof(acc_t));
+      auto store_state = [&](acc_t* dst) {
+        for (int64_t r = 0; r < K; ++r) {
+          std::memcpy(dst + r * V + v0, &S[r * nv], nv * sizeof(acc_t));
         }
+      };
+      for (int64_t tok = bos; tok < eos; ++tok) {
+        if ((tok - bos) % C == 0) store_state(ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
         load_decay(p, in.g, tok, hv, a.data());
         load_row(in.k, tok, p.num_qk_heads, h, K, kv.data());
         load_row(in.q, tok, p.num_qk_heads, h, K, qs.data());
         for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
         const in_t* vsrc = in.v + (tok * HV + hv) * V + v0;
-        for (int64_t j = 0; j < bv; ++j) vv[j] = static_cast<acc_t>(vsrc[j]);
-        step(S.data(), K, bv, a.data(), kv.data(), qs.data(), vv.data(),
-             in.beta[tok * HV + hv], vw.data(), u.data(), o.data());
+        for (int64_t j = 0; j < nv; ++j) vv[j] = static_cast<acc_t>(vsrc[j]);
+        step_rows(S.data(), K, nv, a.data(), kv.data(), qs.data(), vv.data(),
+                  in.beta[tok * HV + hv], o.data());
         in_t* odst = out + (tok * HV + hv) * V + v0;
-        for (int64_t j = 0; j < bv; ++j) odst[j] = static_cast<in_t>(o[j]);
+        for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
       }
-      acc_t* hdst = ht + (n * HV + hv) * K * V + v0;
-      for (int64_t r = 0; r < K; ++r) std::memcpy(hdst + r * V, &S[r * bv], bv * sizeof(acc_t));
+      store_state(ht + (n * HV + hv) * K * V);
     }
   });
+}
+
+// Reverse step of one token over all V columns. dS (column-major) holds dL/dS_t on entry
+// and dL/dS_{t-1} on exit. Per column j, with u_j = b vw_j:
+//   o = S_t^T qs:        dS_j += qs go_j,  dq += go_j S_t[:, j]
+//   S_t = P + k u^T:      dk += u_j dS_j,   du_j = dS_j . k
+//   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
+//   (w = P^T k)           dP_j = dS_j + dw_j k,  dk += dw_j P_j
+//   P = diag(a) S_{t-1}:  dg += dP_j * P_j (per channel),  dS_j <- a * dP_j
+template <typename acc_t>
+inline void reverse_step(const acc_t* __restrict St, const acc_t* __restrict Sp,
+                         acc_t* __restrict dS, int64_t K, int64_t V, const acc_t* __restrict a,
+                         const acc_t* __restrict kv, const acc_t* __restrict qs,
+                         const acc_t* __restrict go, const acc_t* __restrict vw, acc_t b,
+                         acc_t* __restrict dq, acc_t* __restrict dk, acc_t* __restrict dg,
+                         acc_t* __restrict dv, acc_t* __restrict dbeta) {
+  std::fill(dq, dq + K, acc_t(0));
+  std::fill(dk, dk + K, acc_t(0));
+  std::fill(dg, dg + K, acc_t(0));
+  acc_t db = 0;
+  for (int64_t j = 0; j < V; ++j) {
+    const acc_t* st = St + j * K;
+    const acc_t* sp = Sp + j * K;
+    acc_t* ds = dS + j * K;
+    const acc_t goj = go[j], uj = b * vw[j];
+    acc_t part[kLanes] = {};
+    int64_t r = 0;
+    for (; r + kLanes <= K; r += kLanes) {
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const acc_t d = ds[r + l] + qs[r + l] * goj;
+        ds[r + l] = d;
+        dq[r + l] += goj * st[r + l];
+        dk[r + l] += uj * d;
+        part[l] += d * kv[r + l];
+      }
+    }
+    for (int64_t l = 0; r < K; ++r, ++l) {
+      const acc_t d = ds[r] + qs[r] * goj;
+      ds[r] = d;
+      dq[r] += goj * st[r];
+      dk[r] += uj * d;
+      part[l] += d * kv[r];
+    }
+    const acc_t du = sum_lanes(part);
+    dv[j] = b * du;
+    db += du * vw[j];
+    const acc_t dw = -b * du;
+    for (r = 0; r < K; ++r) {
+      const acc_t P = a[r] * sp[r];
+      const acc_t dP = ds[r] + kv[r] * dw;
+      dk[r] += dw * P;
+      dg[r] += dP * P;
+      ds[r] = a[r] * dP;
+    }
+  }
+  *dbeta = db;
 }
 
 template <typename in_t, typename acc_t>
@@ -169,10 +286,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
+  // One task per (sequence, q/k head): the value heads of its group run in order and sum
+  // into the same dq/dk rows, so no two threads write the same gradient.
   at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     // states[i] = S before the chunk's token i (states[0] is the checkpoint).
     AccVec<acc_t> states((C + 1) * KV), dS(KV), vws(C * V);
-    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), u(V), du(V), dw(V), go(V), dkr(K), dgr(K);
+    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % H, n = task / H;
       int64_t bos, eos;
@@ -181,80 +300,48 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       const int64_t nchunks = gdn_num_chunks(eos - bos, C);
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         if (grad_ht) {
-          std::memcpy(dS.data(), grad_ht + (n * HV + hv) * KV, KV * sizeof(acc_t));
+          gather_columns(grad_ht + (n * HV + hv) * KV, K, V, 0, V, dS.data());
         } else {
           std::fill(dS.begin(), dS.end(), acc_t(0));
         }
         for (int64_t c = nchunks - 1; c >= 0; --c) {
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
-          std::memcpy(states.data(), ckpt + ((base + c) * HV + hv) * KV, KV * sizeof(acc_t));
+          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, 0, V, states.data());
           for (int64_t i = 0; i < len; ++i) {  // recompute the chunk's states
             const int64_t tok = t0 + i;
-            std::memcpy(&states[(i + 1) * KV], &states[i * KV], KV * sizeof(acc_t));
             load_decay(p, in.g, tok, hv, a.data());
             load_row(in.k, tok, H, h, K, kv.data());
             load_row(in.v, tok, HV, hv, V, vv.data());
-            step<acc_t>(&states[(i + 1) * KV], K, V, a.data(), kv.data(), qs.data(), vv.data(),
-                        in.beta[tok * HV + hv], &vws[i * V], u.data(), nullptr);
+            step<acc_t>(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
+                        nullptr, vv.data(), in.beta[tok * HV + hv], &vws[i * V], nullptr);
           }
           for (int64_t i = len - 1; i >= 0; --i) {  // reverse recurrence
             const int64_t tok = t0 + i;
-            const acc_t* St = &states[(i + 1) * KV];
-            const acc_t* Sp = &states[i * KV];
-            const acc_t* vw = &vws[i * V];
-            const acc_t b = in.beta[tok * HV + hv];
             load_decay(p, in.g, tok, hv, a.data());
             load_row(in.k, tok, H, h, K, kv.data());
             load_row(in.q, tok, H, h, K, qs.data());
             for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
             load_row(grad_o, tok, HV, hv, V, go.data());
-            for (int64_t j = 0; j < V; ++j) u[j] = b * vw[j];
-            std::fill(du.begin(), du.end(), acc_t(0));
+            reverse_step(&states[(i + 1) * KV], &states[i * KV], dS.data(), K, V, a.data(),
+                         kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
+                         dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
+                         dbeta + tok * HV + hv);
             acc_t* dq_row = dq + (tok * H + h) * K;
-            // o_t = S_t^T qs: dS += qs go^T, dq = scale S_t go. S_t = P + k u^T: dk += dS u,
-            // du = dS^T k.
-            for (int64_t r = 0; r < K; ++r) {
-              acc_t* dSr = &dS[r * V];
-              const acc_t qr = qs[r], kr = kv[r];
-              for (int64_t j = 0; j < V; ++j) dSr[j] += qr * go[j];
-              dq_row[r] += in.scale * dot(St + r * V, go.data(), V);
-              dkr[r] = dot(dSr, u.data(), V);
-              for (int64_t j = 0; j < V; ++j) du[j] += kr * dSr[j];
-            }
-            // u = b (v - w): dv = b du, dbeta = du . (v - w), dw = -b du.
-            acc_t* dv_row = dv + (tok * HV + hv) * V;
-            for (int64_t j = 0; j < V; ++j) {
-              dv_row[j] = b * du[j];
-              dw[j] = -b * du[j];
-            }
-            dbeta[tok * HV + hv] = dot(du.data(), vw, V);
-            // w = P^T k: dP = dS + k dw^T, dk += P dw. P = diag(a) S_prev: dg = <dP, P> per
-            // row, and the carried dS becomes diag(a) dP.
-            for (int64_t r = 0; r < K; ++r) {
-              acc_t* dSr = &dS[r * V];
-              const acc_t* Spr = Sp + r * V;
-              const acc_t ar = a[r], kr = kv[r];
-              acc_t* P = u.data();  // u is no longer needed: reuse it for the row of P
-              for (int64_t j = 0; j < V; ++j) {
-                P[j] = ar * Spr[j];
-                dSr[j] += kr * dw[j];
-              }
-              dkr[r] += dot(P, dw.data(), V);
-              dgr[r] = dot(dSr, P, V);
-              for (int64_t j = 0; j < V; ++j) dSr[j] *= ar;
-            }
             acc_t* dk_row = dk + (tok * H + h) * K;
-            for (int64_t r = 0; r < K; ++r) dk_row[r] += dkr[r];
+            for (int64_t r = 0; r < K; ++r) {
+              dq_row[r] += in.scale * dqt[r];
+              dk_row[r] += dkt[r];
+            }
             if (p.gate_per_channel) {
-              std::memcpy(dg + (tok * HV + hv) * K, dgr.data(), K * sizeof(acc_t));
+              std::memcpy(dg + (tok * HV + hv) * K, dgt.data(), K * sizeof(acc_t));
             } else {
               acc_t s = 0;
-              for (int64_t r = 0; r < K; ++r) s += dgr[r];
+              for (int64_t r = 0; r < K; ++r) s += dgt[r];
               dg[tok * HV + hv] = s;
             }
           }
         }
-        if (dstate) std::memcpy(dstate + (n * HV + hv) * KV, dS.data(), KV * sizeof(acc_t));
+        if (dstate) scatter_columns(dS.data(), K, V, 0, V, dstate + (n * HV + hv) * KV);
       }
     }
   });

@@ -1,0 +1,1 @@
+"""Drop-in replacements for other libraries' functional APIs (``rlx_torch.compat.fla``)."""
