@@ -202,6 +202,13 @@ def test_forward_empty_batch_dispatches_nothing(emu):
     assert o.numel() == 0 and final.numel() == 0
 
 
+def test_zero_length_sequences_pass_the_state_through(emu):
+    p = Problem(B=2, T=0, H=1, HV=2, K=8, V=4, initial_state=True)
+    o, final, _ = p.emu_forward(emu)
+    assert o.numel() == 0 and torch.equal(final, p.h0)
+    check_backward(emu, p)  # dstate = grad_final_state
+
+
 # ---- backward -------------------------------------------------------------------------------
 
 BACKWARD_CASES = {
@@ -228,6 +235,12 @@ def test_backward_matches_cpu_op(emu, case):
 def test_backward_half_types(emu, dtype):
     p = Problem(B=1, T=7, H=1, HV=2, K=33, V=5, dtype=dtype, initial_state=True, chunk=3)
     check_backward(emu, p)
+
+
+def test_backward_empty_batch(emu):
+    p = Problem(B=0, T=4, H=1, HV=1, K=8, V=4)
+    packed, sizes = p.emu_backward(emu, torch.zeros(0, 1, 8, 4), torch.zeros(0, 4, 1, 4), None)
+    assert packed.numel() == 0 and sizes[0] == 0
 
 
 def test_backward_without_grad_final_state(emu):

@@ -228,7 +228,8 @@ kernel void gated_delta_bwd(device const T* q [[buffer(0)]],
   float s[kMaxKPerLane], kk[kMaxKPerLane], qq[kMaxKPerLane], a[kMaxKPerLane];
   for (int jc = int(j_top) - 1; jc >= int(p.window_lo); --jc) {
     const ulong t0 = sb.bos + ulong(jc) * C;
-    const uint len = uint(min(ulong(C), sb.eos - t0));
+    const ulong left = sb.eos - t0;  // > 0
+    const uint len = left < C ? uint(left) : C;
     const int nsub = int((len + p.sub - 1) / p.sub);
     for (int sc = nsub - 1; sc >= 0; --sc) {
       const uint s0 = uint(sc) * p.sub, s1 = min(len, s0 + p.sub);
