@@ -365,3 +365,36 @@ def test_forward_plan_respects_the_pipeline_thread_limit(emu):
     assert call_plan(plans.plan_gdn_forward, *p.plan_args(False, 1024)).threads == (128, 1, 1)
     plan = call_plan(plans.plan_gdn_forward, *p.plan_args(False, 32))
     assert plan.threads == (32, 1, 1) and plan.threadgroups == (10, 3, 2)
+
+
+# ---- random sweep ---------------------------------------------------------------------------
+
+
+def random_problem(seed):
+    rng = torch.Generator().manual_seed(1000 + seed)
+
+    def pick(*options):
+        return options[int(torch.randint(len(options), (1,), generator=rng))]
+
+    def between(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=rng))
+
+    H, G = between(1, 2), pick(1, 2, 3)
+    cu = None
+    B, T = between(1, 2), between(0, 19)
+    if pick(False, True):
+        cuts = sorted(between(0, T) for _ in range(between(0, 3)))
+        cu, B = [0, *cuts, T], 1
+    return Problem(B=B, T=T, H=H, HV=H * G, K=pick(1, between(2, 70), 129, 256),
+                   V=between(1, 23), dtype=pick(torch.float32, torch.float16, torch.bfloat16),
+                   per_channel=pick(False, True), cu_seqlens=cu, initial_state=pick(False, True),
+                   chunk=pick(1, between(2, 7), 64), scale=pick(None, 0.7), seed=seed)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_random_shapes(emu, seed):
+    p = random_problem(seed)
+    order = ("forward", "reverse", "shuffle")[seed % 3]
+    check_forward(emu, p, order=order, seed=seed)
+    check_backward(emu, p, grad_final=seed % 2 == 0, order=order, seed=seed,
+                   budget=(128 << 20) if seed % 4 else 1)
