@@ -7,6 +7,13 @@
 // dg, dbeta to `partials`, and hands dS to the next window through `carry`) followed by a
 // gated_delta_bwd_reduce dispatch (adds the partials in a fixed order into the packed
 // buffer). Windows bound the partials' memory; all dispatches go into one command buffer.
+//
+// Tuning (not measured: nothing here has run on an Apple GPU). The backward trades two costs
+// through the simdgroups per threadgroup (nsg = state columns per V-block): the partial sums
+// move num_vblocks * (2K + 2) floats per (token, value head) through memory, fewer with more
+// columns per threadgroup; but the states kept per sub-chunk take sub * nsg * 32 ceil(K/32)
+// floats of threadgroup memory, and a shorter sub-chunk recomputes more (C (C / sub + 1) / 2
+// steps per chunk of C). The rule below takes the most simdgroups (<= 8) that keep sub >= 8.
 #pragma once
 
 #include <algorithm>
