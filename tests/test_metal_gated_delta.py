@@ -243,6 +243,15 @@ def test_backward_empty_batch(emu):
     assert packed.numel() == 0 and sizes[0] == 0
 
 
+def test_qwen_head_size(emu):
+    # K = V = 128 as in Qwen3-Next / Qwen3.5: 6 simdgroups, 22 V-blocks, sub-chunks of 8.
+    p = Problem(B=1, T=40, H=1, HV=2, K=128, V=128, chunk=16, initial_state=True,
+                dtype=torch.bfloat16)
+    check_forward(emu, p)
+    sizes = check_backward(emu, p)
+    assert (sizes[3], sizes[4]) == (6, 8)
+
+
 def test_backward_without_grad_final_state(emu):
     check_backward(emu, Problem(B=1, T=8, H=1, HV=1, K=8, V=4, chunk=3), grad_final=False)
 
