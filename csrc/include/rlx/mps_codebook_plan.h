@@ -1,0 +1,220 @@
+// Launch plans of the codebook matmul Metal kernels (csrc/mps/kernels/codebook.metal), shared
+// by the host code (csrc/mps/codebook.mm) and the emulator tests. Plain C++17.
+//
+// Buffer slots:
+//   codebook_mv / codebook_mm:   0 x, 1 indices, 2 codebook, 3 scales, 4 bias, 5 out, 6 params
+//   codebook_dx_mv / _dx_mm:     0 grad_out, 1 indices, 2 codebook, 3 scales, 4 grad_x, 5 params
+//   codebook_dcodebook_partial:  0 grad_out, 1 x, 2 indices, 3 scales, 4 partials, 5 params
+//   codebook_dcodebook_reduce:   0 partials, 1 grad_codebook, 2 params
+//   codebook_dscale_dbias:       0 grad_out, 1 y (float32 [B, N]), 2 grad_scales, 3 grad_bias,
+//                                4 params
+// Absent optional tensors are bound to any valid buffer (the flags keep them unread).
+#pragma once
+
+#include <cstdint>
+
+#include "rlx/mps_launch.h"
+
+namespace rlx::mps {
+
+// Field for field CodebookParams in codebook.metal (all 32-bit).
+struct CodebookParams {
+  uint32_t rows, in_features, out_features, groups, num_codebooks, num_entries, entry_dim;
+  uint32_t has_scales, has_bias, codebook_in_tg;
+  uint32_t t_block, groups_per_block, num_gblocks, lut_scan;
+};
+static_assert(sizeof(CodebookParams) == 56, "CodebookParams must match codebook.metal");
+
+enum class CodebookDtype { Float32 = 0, Float16 = 1, BFloat16 = 2 };
+
+struct CodebookShape {
+  int64_t rows = 0, in_features = 0, out_features = 0, groups = 0;
+  int64_t num_codebooks = 1, num_entries = 1, entry_dim = 1;
+  bool has_scales = false, has_bias = false;
+  CodebookDtype dtype = CodebookDtype::Float32;
+};
+
+struct CodebookPlan {
+  Launch launch;
+  CodebookParams params{};
+};
+
+constexpr uint32_t kCodebookRowsPerSimd = 4;     // codebook.metal kRowsPerSimd
+constexpr uint32_t kCodebookMvSimdgroups = 4;    // simdgroups per matrix-vector threadgroup
+constexpr uint32_t kCodebookTile = 32;           // codebook.metal kTile
+constexpr uint32_t kCodebookTileThreads = 256;   // 16 x 16 threads, 2 x 2 outputs each
+constexpr uint32_t kCodebookTChunk = 8;          // codebook.metal kTChunk
+constexpr uint32_t kCodebookStageBytes = 16384;  // stage the codebook when it fits in this
+constexpr int64_t kCodebookMvMaxRows = 16;       // batch rows up to which the mat-vec paths run
+constexpr int64_t kCodebookLutScanMaxRows = 32;  // dcodebook: per-row code scans below this
+constexpr uint32_t kCodebookMaxGroupBlocks = 128;  // dcodebook partials
+
+// Every index the kernels compute fits in 32 bits.
+inline bool codebook_shape_fits(const CodebookShape& s) {
+  const int64_t lim = int64_t(UINT32_MAX);
+  return s.rows * s.in_features < lim && s.rows * s.out_features < lim &&
+         s.out_features * s.groups * s.num_codebooks < lim &&
+         s.num_codebooks * s.num_entries * s.entry_dim < lim && s.in_features < lim;
+}
+
+inline const char* codebook_kernel(const char* const names[3], CodebookDtype t) {
+  return names[int(t)];
+}
+
+inline CodebookParams codebook_params(const CodebookShape& s) {
+  CodebookParams p{};
+  p.rows = uint32_t(s.rows);
+  p.in_features = uint32_t(s.in_features);
+  p.out_features = uint32_t(s.out_features);
+  p.groups = uint32_t(s.groups);
+  p.num_codebooks = uint32_t(s.num_codebooks);
+  p.num_entries = uint32_t(s.num_entries);
+  p.entry_dim = uint32_t(s.entry_dim);
+  p.has_scales = s.has_scales;
+  p.has_bias = s.has_bias;
+  const uint64_t cb_bytes = uint64_t(s.num_codebooks * s.num_entries * s.entry_dim) * 4;
+  p.codebook_in_tg = cb_bytes <= kCodebookStageBytes;
+  return p;
+}
+
+inline uint32_t codebook_stage_bytes(const CodebookParams& p) {
+  // A kernel's [[threadgroup(i)]] must get some memory even when the codebook is not staged.
+  return p.codebook_in_tg
+             ? threadgroup_bytes(uint64_t(p.num_codebooks) * p.num_entries * p.entry_dim * 4)
+             : 16;
+}
+
+inline bool codebook_use_matvec(const CodebookShape& s) { return s.rows <= kCodebookMvMaxRows; }
+
+// Forward: out = scales * (x @ W^T) + bias. float_out: float32 output (the grad_scales
+// recomputation of the unscaled product; then has_scales/has_bias are cleared).
+inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out = false) {
+  CodebookPlan plan;
+  plan.params = codebook_params(s);
+  if (float_out) plan.params.has_scales = plan.params.has_bias = 0;
+  const bool mv = codebook_use_matvec(s);
+  static const char* const mv_names[3] = {"codebook_mv_f32", "codebook_mv_f16", "codebook_mv_bf16"};
+  static const char* const mv_y[3] = {"codebook_mv_f32", "codebook_mv_f16_yf32",
+                                      "codebook_mv_bf16_yf32"};
+  static const char* const mm_names[3] = {"codebook_mm_f32", "codebook_mm_f16", "codebook_mm_bf16"};
+  static const char* const mm_y[3] = {"codebook_mm_f32", "codebook_mm_f16_yf32",
+                                      "codebook_mm_bf16_yf32"};
+  Launch& l = plan.launch;
+  if (mv) {
+    l.kernel = codebook_kernel(float_out ? mv_y : mv_names, s.dtype);
+    const uint32_t rows_per_tg = kCodebookMvSimdgroups * kCodebookRowsPerSimd;
+    l.threadgroups = {ceil_div(uint64_t(s.out_features), rows_per_tg), uint32_t(s.rows), 1};
+    l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
+    l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
+    l.n_threadgroup_memory = 1;
+  } else {
+    l.kernel = codebook_kernel(float_out ? mm_y : mm_names, s.dtype);
+    l.threadgroups = {ceil_div(uint64_t(s.out_features), kCodebookTile),
+                      ceil_div(uint64_t(s.rows), kCodebookTile), 1};
+    l.threads = {kCodebookTileThreads, 1, 1};
+    const uint32_t tile = threadgroup_bytes(kCodebookTile * (kCodebookTile + 1) * 4);
+    l.threadgroup_memory[0] = tile;
+    l.threadgroup_memory[1] = tile;
+    l.threadgroup_memory[2] = codebook_stage_bytes(plan.params);
+    l.n_threadgroup_memory = 3;
+  }
+  l.params_index = 6;
+  return plan;
+}
+
+// grad_x = (grad_out * scales) @ W.
+inline CodebookPlan plan_codebook_dx(const CodebookShape& s) {
+  CodebookPlan plan;
+  plan.params = codebook_params(s);
+  static const char* const mv_names[3] = {"codebook_dx_mv_f32", "codebook_dx_mv_f16",
+                                          "codebook_dx_mv_bf16"};
+  static const char* const mm_names[3] = {"codebook_dx_mm_f32", "codebook_dx_mm_f16",
+                                          "codebook_dx_mm_bf16"};
+  Launch& l = plan.launch;
+  if (codebook_use_matvec(s)) {
+    l.kernel = codebook_kernel(mv_names, s.dtype);
+    const uint64_t items = uint64_t(s.groups) * ceil_div(uint64_t(s.entry_dim), kCodebookTChunk);
+    l.threadgroups = {ceil_div(items, kCodebookMvSimdgroups), uint32_t(s.rows), 1};
+    l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
+    l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
+    l.n_threadgroup_memory = 1;
+  } else {
+    l.kernel = codebook_kernel(mm_names, s.dtype);
+    l.threadgroups = {ceil_div(uint64_t(s.in_features), kCodebookTile),
+                      ceil_div(uint64_t(s.rows), kCodebookTile), 1};
+    l.threads = {kCodebookTileThreads, 1, 1};
+    const uint32_t tile = threadgroup_bytes(kCodebookTile * (kCodebookTile + 1) * 4);
+    l.threadgroup_memory[0] = tile;
+    l.threadgroup_memory[1] = tile;
+    l.threadgroup_memory[2] = codebook_stage_bytes(plan.params);
+    l.n_threadgroup_memory = 3;
+  }
+  l.params_index = 5;
+  return plan;
+}
+
+// grad_codebook pass 1; the partials buffer holds codebook_partials_count(plan) floats.
+inline CodebookPlan plan_codebook_dcodebook_partial(const CodebookShape& s) {
+  CodebookPlan plan;
+  CodebookParams& p = plan.params;
+  p = codebook_params(s);
+  p.codebook_in_tg = 0;
+  p.t_block = uint32_t(s.entry_dim < kCodebookTChunk ? s.entry_dim : kCodebookTChunk);
+  const uint64_t groups = uint64_t(s.groups > 0 ? s.groups : 1);
+  p.groups_per_block = ceil_div(groups, kCodebookMaxGroupBlocks);
+  p.num_gblocks = ceil_div(groups, p.groups_per_block);
+  p.lut_scan = s.rows < kCodebookLutScanMaxRows;
+  static const char* const names[3] = {"codebook_dcodebook_partial_f32",
+                                       "codebook_dcodebook_partial_f16",
+                                       "codebook_dcodebook_partial_bf16"};
+  Launch& l = plan.launch;
+  l.kernel = codebook_kernel(names, s.dtype);
+  l.threadgroups = {p.num_gblocks, uint32_t(s.num_codebooks),
+                    ceil_div(uint64_t(s.entry_dim), p.t_block)};
+  l.threads = {kSimdWidth, 1, 1};
+  l.threadgroup_memory[0] = threadgroup_bytes(uint64_t(s.num_entries) * p.t_block * 4);
+  l.n_threadgroup_memory = 1;
+  l.params_index = 5;
+  return plan;
+}
+
+inline uint64_t codebook_partials_count(const CodebookPlan& partial_plan) {
+  const CodebookParams& p = partial_plan.params;
+  return uint64_t(p.num_gblocks) * p.num_codebooks * p.num_entries * p.entry_dim;
+}
+
+// grad_codebook pass 2, with the params of pass 1.
+inline CodebookPlan plan_codebook_dcodebook_reduce(const CodebookPlan& partial_plan,
+                                                   CodebookDtype dtype) {
+  CodebookPlan plan;
+  plan.params = partial_plan.params;
+  static const char* const names[3] = {"codebook_dcodebook_reduce_f32",
+                                       "codebook_dcodebook_reduce_f16",
+                                       "codebook_dcodebook_reduce_bf16"};
+  const CodebookParams& p = plan.params;
+  Launch& l = plan.launch;
+  l.kernel = codebook_kernel(names, dtype);
+  l.threadgroups = {ceil_div(uint64_t(p.num_codebooks) * p.num_entries * p.entry_dim, 256), 1, 1};
+  l.threads = {256, 1, 1};
+  l.params_index = 2;
+  return plan;
+}
+
+// grad_scales / grad_bias; want_scales/want_bias select which are written.
+inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want_scales,
+                                               bool want_bias) {
+  CodebookPlan plan;
+  plan.params = codebook_params(s);
+  plan.params.has_scales = want_scales;
+  plan.params.has_bias = want_bias;
+  static const char* const names[3] = {"codebook_dscale_dbias_f32", "codebook_dscale_dbias_f16",
+                                       "codebook_dscale_dbias_bf16"};
+  Launch& l = plan.launch;
+  l.kernel = codebook_kernel(names, s.dtype);
+  l.threadgroups = {ceil_div(uint64_t(s.out_features), 256), 1, 1};
+  l.threads = {256, 1, 1};
+  l.params_index = 4;
+  return plan;
+}
+
+}  // namespace rlx::mps

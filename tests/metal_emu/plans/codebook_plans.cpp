@@ -1,0 +1,70 @@
+// extern "C" wrappers of rlx/mps_codebook_plan.h for the emulator tests.
+// Shape arguments (10): rows, in_features, out_features, groups, num_codebooks, num_entries,
+// entry_dim, has_scales, has_bias, dtype (0 f32, 1 f16, 2 bf16); some functions take more.
+#include "rlx/mps_codebook_plan.h"
+#include "rlx_emu_plan.h"
+
+using namespace rlx::mps;
+
+namespace {
+bool read_shape(const int64_t* a, int n, int want, CodebookShape* s) {
+  if (n != want || a[9] < 0 || a[9] > 2) return false;
+  s->rows = a[0];
+  s->in_features = a[1];
+  s->out_features = a[2];
+  s->groups = a[3];
+  s->num_codebooks = a[4];
+  s->num_entries = a[5];
+  s->entry_dim = a[6];
+  s->has_scales = a[7] != 0;
+  s->has_bias = a[8] != 0;
+  s->dtype = CodebookDtype(a[9]);
+  return codebook_shape_fits(*s);
+}
+}  // namespace
+
+extern "C" int plan_codebook_forward(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 11, &s)) return 1;
+  const CodebookPlan p = plan_codebook_forward(s, a[10] != 0);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
+
+extern "C" int plan_codebook_dx(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 10, &s)) return 1;
+  const CodebookPlan p = plan_codebook_dx(s);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
+
+extern "C" int plan_codebook_dcodebook_partial(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 10, &s)) return 1;
+  const CodebookPlan p = plan_codebook_dcodebook_partial(s);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
+
+extern "C" int64_t codebook_partials(const int64_t* a, int n) {
+  CodebookShape s;
+  if (!read_shape(a, n, 10, &s)) return -1;
+  return int64_t(codebook_partials_count(plan_codebook_dcodebook_partial(s)));
+}
+
+extern "C" int plan_codebook_dcodebook_reduce(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 10, &s)) return 1;
+  const CodebookPlan p = plan_codebook_dcodebook_reduce(plan_codebook_dcodebook_partial(s), s.dtype);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
+
+extern "C" int plan_codebook_dscale_dbias(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 12, &s)) return 1;
+  const CodebookPlan p = plan_codebook_dscale_dbias(s, a[10] != 0, a[11] != 0);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
