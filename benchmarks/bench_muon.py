@@ -1,0 +1,129 @@
+"""Step time of rlx_torch.optim.Muon against torch.optim.Muon, side by side in one process.
+
+GPT-like parameter sets: per layer 4 x [d, d] (attention), [4d, d], [d, 4d], [4d, d] (MLP).
+Both optimizers get equal settings (lr, momentum, Nesterov, weight decay, Keller coefficients,
+5 steps, "original" lr adjustment, bf16 Newton–Schulz as torch.optim.Muon always uses) and
+step the same params and grads. Rounds alternate between the two so that load from other
+processes hits both alike; the median round counts. Prints a table, the ratios and one JSON
+line.
+
+    python benchmarks/bench_muon.py                      # CPU: 12 layers at d=256
+    python benchmarks/bench_muon.py --device cuda        # d=768 x 12 and d=2048 x 24
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+
+try:
+    from rlx_torch.optim import Muon
+except ImportError:
+    # The optimizer is pure Python: run it without the compiled extension (e.g. on a machine
+    # where rlx_torch._C is not built for the local torch).
+    root = Path(__file__).resolve().parents[1] / "rlx_torch"
+    package = types.ModuleType("rlx_torch")
+    package.__path__ = [str(root)]
+    sys.modules["rlx_torch"] = package
+    from rlx_torch.optim import Muon
+
+CUDA_SETS = [(768, 12), (2048, 24)]
+CPU_SETS = [(256, 12)]
+
+
+def gpt_params(d: int, layers: int, device: str) -> list[torch.nn.Parameter]:
+    shapes = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d), (4 * d, d)]
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = []
+    for _ in range(layers):
+        for shape in shapes:
+            p = torch.nn.Parameter(torch.randn(shape, device=device, generator=gen) * 0.02)
+            p.grad = torch.randn(shape, device=device, generator=gen)
+            params.append(p)
+    return params
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def time_steps(opt, steps: int, device: str) -> float:
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    sync(device)
+    return (time.perf_counter() - start) / steps
+
+
+def bench_set(d: int, layers: int, device: str, rounds: int, steps: int) -> dict:
+    params = gpt_params(d, layers, device)
+    settings = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
+                    adjust_lr_fn="original")
+    contenders = {
+        "torch.optim.Muon": torch.optim.Muon(params, **settings),
+        "rlx Muon (bf16 NS)": Muon(params, ns_dtype=torch.bfloat16, **settings),
+    }
+    if device != "cuda":  # the default NS dtype differs from bf16 only off CUDA
+        contenders["rlx Muon (default NS dtype)"] = Muon(params, **settings)
+    for opt in contenders.values():  # warm-up: state allocation, kernels, allocator
+        time_steps(opt, 2, device)
+    times = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, opt in contenders.items():
+            times[name].append(time_steps(opt, steps, device))
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    base = medians["torch.optim.Muon"]
+    result = dict(
+        d=d, layers=layers, matrices=len(params),
+        params_m=round(sum(p.numel() for p in params) / 1e6, 1),
+        ms={name: round(t * 1e3, 3) for name, t in medians.items()},
+        speedup={name: round(base / t, 2) for name, t in medians.items() if t is not base},
+    )
+    del contenders, params
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    parser.add_argument("--sets", default=None,
+                        help="d:layers,... (default: 256:12 on CPU/MPS, 768:12,2048:24 on CUDA)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.sets:
+        sets = [tuple(int(v) for v in s.split(":")) for s in args.sets.split(",")]
+    else:
+        sets = CUDA_SETS if args.device == "cuda" else CPU_SETS
+    machine = (torch.cuda.get_device_name() if args.device == "cuda"
+               else f"{platform.processor() or platform.machine()}, "
+                    f"{torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {args.device}: {machine}")
+    results = []
+    for d, layers in sets:
+        r = bench_set(d, layers, args.device, args.rounds, args.steps)
+        results.append(r)
+        print(f"\nd={d}, {layers} layers: {r['matrices']} matrices, {r['params_m']} M params")
+        for name, ms in r["ms"].items():
+            ratio = r["speedup"].get(name)
+            tail = f"  {ratio:.2f}x faster than torch.optim.Muon" if ratio else ""
+            print(f"  {name:<30} {ms:10.2f} ms/step{tail}")
+    print(json.dumps(dict(bench="muon", device=args.device, machine=machine,
+                          torch=torch.__version__, results=results)))
+
+
+if __name__ == "__main__":
+    main()
