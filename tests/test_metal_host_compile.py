@@ -23,6 +23,8 @@ CLANG = shutil.which(os.environ.get("RLX_CLANGXX", "clang++"))
 
 
 def _require_clang():
+    if sys.platform == "darwin":
+        pytest.skip("on macOS setup.py compiles the .mm files against the real SDK")
     if CLANG is None:
         if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
             pytest.fail("clang++ is required in CI for the Metal host-code compile check "
