@@ -6,6 +6,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import rlx_torch
@@ -182,6 +184,60 @@ def test_single_step_formula(adjust, scale, shape):
     update = reference_ns(g.lerp(buf, mu), [KELLER] * 5)
     expected = start * (1 - lr * wd) - lr * scale(*shape) * update
     torch.testing.assert_close(p.detach(), expected)
+
+
+def reference_matrices(shape, nd_mode):
+    """Plain restatement of how a param is seen as matrices (see docs/optim.md)."""
+    if len(shape) == 2:
+        return 1, shape[0], shape[1]
+    if nd_mode == "flatten" or (nd_mode == "auto" and len(shape) >= 4):
+        return 1, shape[0], math.prod(shape[1:])
+    return math.prod(shape[:-2]), shape[-2], shape[-1]
+
+
+SCALES = {"original": lambda r, c: math.sqrt(max(1, r / c)),
+          "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)), None: lambda r, c: 1.0}
+
+shapes_2d = st.tuples(st.integers(1, 9), st.integers(1, 9))
+shapes_nd = st.one_of(shapes_2d, st.tuples(st.integers(1, 3), st.integers(1, 6), st.integers(1, 6)),
+                      st.tuples(st.integers(1, 4), st.integers(1, 3), st.integers(1, 3),
+                                st.integers(1, 3)))
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    shapes=st.lists(shapes_nd, min_size=1, max_size=5),
+    lr=st.floats(0.0, 0.2), momentum=st.floats(0.0, 0.99), nesterov=st.booleans(),
+    weight_decay=st.sampled_from([0.0, 1e-6, 0.1, 0.5]),
+    adjust=st.sampled_from(["original", "match_rms_adamw", None]),
+    nd_mode=st.sampled_from(["auto", "flatten", "batch"]),
+    preset=st.sampled_from(["keller", "polar_express"]), seed=st.integers(0, 2**16),
+)
+def test_steps_match_per_param_reference(shapes, lr, momentum, nesterov, weight_decay, adjust,
+                                         nd_mode, preset, seed):
+    gen = torch.Generator().manual_seed(seed)
+    params = [nn.Parameter(torch.randn(s, dtype=torch.float64, generator=gen)) for s in shapes]
+    expected = [p.detach().clone() for p in params]
+    bufs = [torch.zeros_like(p) for p in params]
+    opt = Muon(params, lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay,
+               adjust_lr_fn=adjust, nd_mode=nd_mode, ns_coefficients=preset)
+    schedule = resolve_schedule(preset, 5)
+    for _ in range(2):
+        for i, p in enumerate(params):
+            g = torch.randn(p.shape, dtype=torch.float64, generator=gen)
+            p.grad = g
+            bufs[i] = bufs[i].lerp(g, 1 - momentum)
+            u = g.lerp(bufs[i], momentum) if nesterov else bufs[i]
+            count, rows, cols = reference_matrices(p.shape, nd_mode)
+            mats = u.reshape(count, rows, cols)
+            ortho = torch.stack([reference_ns(m, schedule.coefficients, safety=schedule.safety)
+                                 for m in mats]).reshape(p.shape)
+            expected[i] = expected[i] * (1 - lr * weight_decay) - lr * SCALES[adjust](
+                rows, cols) * ortho
+        opt.step()
+    for p, e, b in zip(params, expected, bufs, strict=True):
+        torch.testing.assert_close(p.detach(), e)
+        torch.testing.assert_close(opt.state[p]["momentum_buffer"], b)
 
 
 # ---- > 2-D params ----
