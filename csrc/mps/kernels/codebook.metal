@@ -61,7 +61,7 @@ inline float weight_at(device const uchar* indices, device const T* codebook,
   float w = 0.0f;
   for (uint m = 0; m < p.num_codebooks; ++m) {
     const uint e = idx[m];
-    if (e >= p.num_entries) return NAN;
+    if (e >= p.num_entries) return numeric_limits<float>::quiet_NaN();
     const uint at = (m * p.num_entries + e) * p.entry_dim + t;
     w += p.codebook_in_tg ? cb[at] : float(codebook[at]);
   }
@@ -107,7 +107,7 @@ kernel void codebook_mv(device const T* x [[buffer(0)]],
         for (uint m = 0; m < M; ++m) {
           const uint e = idx[m];
           if (e >= E) {
-            acc[r] = NAN;
+            acc[r] = numeric_limits<float>::quiet_NaN();
             continue;
           }
           const uint at = (m * E + e) * D + t0;
@@ -216,7 +216,7 @@ kernel void codebook_dx_mv(device const T* grad_out [[buffer(0)]],
     for (uint m = 0; m < M; ++m) {
       const uint e = idx[m];
       if (e >= E) {
-        acc[0] = NAN;
+        acc[0] = numeric_limits<float>::quiet_NaN();
         continue;
       }
       const uint at = (m * E + e) * D + t0;

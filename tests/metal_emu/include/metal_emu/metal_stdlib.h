@@ -232,6 +232,23 @@ inline To as_type(const From& v) {
   return r;
 }
 
+template <class T>
+struct numeric_limits : std::numeric_limits<T> {};
+template <bool B>
+struct numeric_limits<float16_storage<B>> {
+  using T = float16_storage<B>;
+  static T from_bits(uint16_t b) {
+    T t;
+    t.bits = b;
+    return t;
+  }
+  static T infinity() { return from_bits(B ? 0x7f80 : 0x7c00); }
+  static T quiet_NaN() { return from_bits(B ? 0x7fc0 : 0x7e00); }
+  static T max() { return from_bits(B ? 0x7f7f : 0x7bff); }
+  static T lowest() { return from_bits(B ? 0xff7f : 0xfbff); }
+  static T epsilon() { return from_bits(B ? 0x3c00 : 0x1400); }
+};
+
 // ---- math ------------------------------------------------------------------------------------
 
 #define METAL_EMU_UNARY(name, expr)                                                       \
