@@ -362,6 +362,21 @@ Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at
                             static_cast<acc_t>(scale)};
 }
 
+// Slots no sequence uses (the slack of gdn_checkpoint_slots) are zeroed so that the output
+// is fully defined.
+void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt) {
+  std::vector<bool> used(ckpt.size(0), false);
+  for (int64_t n = 0; n < p.num_seqs; ++n) {
+    int64_t bos, eos;
+    gdn_sequence_bounds(p, cu, n, &bos, &eos);
+    const int64_t base = gdn_checkpoint_base(n, bos, p.chunk);
+    for (int64_t j = 0; j < gdn_num_chunks(eos - bos, p.chunk); ++j) used[base + j] = true;
+  }
+  for (int64_t s = 0; s < ckpt.size(0); ++s) {
+    if (!used[s]) ckpt[s].zero_();
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
@@ -379,6 +394,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   at::Tensor ckpt =
       at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
                 q.options().dtype(p.acc_dtype));
+  zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;

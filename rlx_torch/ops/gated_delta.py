@@ -24,7 +24,7 @@ float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when v
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Other slots are unspecified.
+    ``n + bos_n // C + j``. Unused slots are zero.
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
 grad_o, grad_final_state, chunk_size=64) -> packed``
@@ -56,21 +56,37 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Shape arithmetic comes from the C++ header through ops that take no tensors. They run
+# eagerly even while tracing (constant results for torch.compile, outside any dispatch
+# mode for AOT tracing), so graphs only see the resulting constant offsets.
 @functools.lru_cache(maxsize=256)
-def _bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state):
-    # Shape arithmetic from the C++ header, run eagerly even while tracing (it takes no
-    # tensors), so the traced graph only sees the resulting constant offsets.
+def _bwd_layout_cached(*args):
     with _disable_current_modes():
-        flat = torch.ops.rlx.gated_delta_bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state)
+        return tuple(torch.ops.rlx.gated_delta_bwd_layout(*args))
+
+
+@torch.compiler.assume_constant_result
+def _bwd_layout_flat(B, T, H, HV, K, V, N, per_channel, has_state):
+    return _bwd_layout_cached(B, T, H, HV, K, V, N, per_channel, has_state)
+
+
+def _bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state):
+    """{slice name: (offset, numel), "total": n} of the packed backward buffer."""
+    flat = _bwd_layout_flat(B, T, H, HV, K, V, N, per_channel, has_state)
     layout = {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(_SLICES)}
     layout["total"] = flat[-1]
     return layout
 
 
 @functools.lru_cache(maxsize=256)
-def _checkpoint_slots(N, tokens, chunk_size):
+def _checkpoint_slots_cached(*args):
     with _disable_current_modes():
-        return torch.ops.rlx.gated_delta_checkpoint_slots(N, tokens, chunk_size)
+        return torch.ops.rlx.gated_delta_checkpoint_slots(*args)
+
+
+@torch.compiler.assume_constant_result
+def _checkpoint_slots(N, tokens, chunk_size):
+    return _checkpoint_slots_cached(N, tokens, chunk_size)
 
 
 def _num_states(q, cu_seqlens):

@@ -19,6 +19,7 @@
 //    n + bos_n / C never overlaps the previous sequence's slots (because
 //    floor(a + b) >= floor(a) + floor(b) and ceil(x) <= floor(x) + 1), and the slot count
 //    depends only on N and the token count, so it is known without reading cu_seqlens.
+//    Slots no sequence uses are zero.
 #pragma once
 
 #include <cstdint>

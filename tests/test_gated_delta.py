@@ -1,0 +1,367 @@
+"""rlx_torch.gated_delta_rule (CPU) against the plain-PyTorch recurrence, gradcheck, opcheck,
+torch.compile, the packed backward layout, numerics at the edges and input validation."""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import rlx_torch
+from rlx_torch.ops import reference
+from rlx_torch.ops.gated_delta import _bwd_layout, unpack_gradients
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+# Relative RMS error thresholds (fla's metric), per dtype, for outputs and gradients.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
+
+
+def rel_rms(actual, expected):
+    actual, expected = actual.double(), expected.double()
+    denom = expected.pow(2).mean().sqrt().clamp_min(1e-12)
+    return ((actual - expected).pow(2).mean().sqrt() / denom).item()
+
+
+def make_inputs(B=2, T=65, H=2, HV=2, K=8, V=8, per_channel=False, dtype=torch.float32,
+                state=False, cu_seqlens=None, normalize_k=True):
+    q = torch.randn(B, T, H, K)
+    k = torch.randn(B, T, H, K)
+    if normalize_k:  # keeps the recurrence contractive, as l2norm does in practice
+        k = F.normalize(k, dim=-1)
+    v = torch.randn(B, T, HV, V)
+    g_shape = (B, T, HV, K) if per_channel else (B, T, HV)
+    g = F.logsigmoid(torch.randn(g_shape) + 2.0)
+    beta = torch.rand(B, T, HV)
+    q, k, v = (t.to(dtype) for t in (q, k, v))
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    g, beta = g.to(acc), beta.to(acc)
+    N = B if cu_seqlens is None else len(cu_seqlens) - 1
+    h0 = torch.randn(N, HV, K, V, dtype=acc) if state else None
+    cu = None if cu_seqlens is None else torch.tensor(cu_seqlens, dtype=torch.long)
+    return dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
+
+
+def run_both(inputs, use_qk_l2norm=False, grads=True, ours_kw=None, **kw):
+    """Outputs and gradients of ours and of the reference for the same random cotangents."""
+    results = []
+    cot = None
+    ours = functools.partial(rlx_torch.gated_delta_rule, **(ours_kw or {}))
+    for fn in (ours, reference.gated_delta_rule):
+        leaves = {name: (t.detach().clone().requires_grad_(grads and t.is_floating_point())
+                         if t is not None else None) for name, t in inputs.items()}
+        o, ht = fn(leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"],
+                   initial_state=leaves["initial_state"], output_final_state=True,
+                   cu_seqlens=leaves["cu_seqlens"], use_qk_l2norm=use_qk_l2norm, **kw)
+        out = {"o": o, "ht": ht}
+        if grads:
+            if cot is None:
+                cot = (torch.randn_like(o.float()).to(o.dtype), torch.randn_like(ht))
+            loss = (o.float() * cot[0].float()).sum() + (ht * cot[1]).sum()
+            names = [n for n, t in leaves.items() if t is not None and t.requires_grad]
+            grads = torch.autograd.grad(loss, [leaves[n] for n in names])
+            out.update({"d" + n: gr for n, gr in zip(names, grads, strict=True)})
+        results.append(out)
+    return results
+
+
+VARIANTS = {
+    "per_head": dict(),
+    "per_channel": dict(per_channel=True),
+    "gva": dict(H=1, HV=3),
+    "k_ne_v": dict(K=5, V=12),
+    "state": dict(state=True),
+    "varlen": dict(B=1, cu_seqlens=[0, 20, 20, 65], state=True),
+    "kda_gva_varlen": dict(B=1, H=2, HV=4, K=6, V=3, per_channel=True,
+                           cu_seqlens=[0, 64, 65], state=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_matches_reference_all_variants(variant, dtype):
+    inputs = make_inputs(dtype=dtype, **VARIANTS[variant])
+    ours, ref = run_both(inputs)
+    assert ours["o"].dtype == dtype and ours["o"].shape == inputs["v"].shape
+    assert ours["ht"].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    for name, expected in ref.items():
+        assert ours[name].shape == expected.shape, name
+        assert ours[name].dtype == expected.dtype, name
+        assert rel_rms(ours[name], expected) < TOL[dtype], name
+
+
+@pytest.mark.parametrize("T", [1, 63, 65, 1000])
+@pytest.mark.parametrize("variant", ["per_head", "per_channel"])
+def test_sequence_lengths(T, variant):
+    inputs = make_inputs(B=1, T=T, H=1, HV=2, K=16, V=8, state=True, **VARIANTS[variant])
+    ours, ref = run_both(inputs, grads=T <= 65)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[torch.float32], name
+
+
+def test_l2norm_and_scale_match_reference():
+    inputs = make_inputs(T=40, normalize_k=False, state=True)
+    ours, ref = run_both(inputs, use_qk_l2norm=True, scale=0.3)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[torch.float32], name
+
+
+def test_chunk_size_does_not_change_results():
+    inputs = make_inputs(T=50, state=True, dtype=torch.float64)
+    torch.manual_seed(1)  # same cotangents for both runs
+    a, _ = run_both(inputs)
+    torch.manual_seed(1)
+    b, _ = run_both(inputs, ours_kw=dict(chunk_size=7))
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-12, atol=1e-12)
+
+
+def _gradcheck(inputs, use_qk_l2norm=False, chunk_size=3):
+    names = [n for n in ("q", "k", "v", "g", "beta", "initial_state") if inputs[n] is not None]
+    leaves = [inputs[n].double().requires_grad_() for n in names]
+
+    def fn(*args):
+        kw = dict(zip(names, args, strict=True))
+        o, ht = rlx_torch.gated_delta_rule(
+            kw["q"], kw["k"], kw["v"], kw["g"], kw["beta"], initial_state=kw.get("initial_state"),
+            output_final_state=True, cu_seqlens=inputs["cu_seqlens"],
+            use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size)
+        return o, ht  # the loss covers the final state too
+
+    assert torch.autograd.gradcheck(fn, leaves, eps=1e-6, atol=1e-6, rtol=1e-5)
+
+
+def test_gradcheck_per_head_with_state():
+    _gradcheck(make_inputs(B=2, T=7, H=1, HV=2, K=3, V=2, state=True, dtype=torch.float64))
+
+
+def test_gradcheck_per_channel_varlen():
+    _gradcheck(make_inputs(B=1, T=8, H=1, HV=2, K=3, V=2, per_channel=True, state=True,
+                           cu_seqlens=[0, 3, 3, 8], dtype=torch.float64))
+
+
+def test_gradcheck_l2norm_no_state():
+    _gradcheck(make_inputs(B=1, T=6, H=2, HV=2, K=3, V=4, normalize_k=False,
+                           dtype=torch.float64), use_qk_l2norm=True)
+
+
+def _forward_backward(inputs, cot_o, cot_h):
+    names = ["q", "k", "v", "g", "beta", "initial_state"]
+    leaves = [inputs[n].clone().requires_grad_() for n in names]
+    o, ht = rlx_torch.gated_delta_rule(*leaves[:5], initial_state=leaves[5],
+                                       output_final_state=True, cu_seqlens=inputs["cu_seqlens"])
+    grads = torch.autograd.grad((o * cot_o).sum() + (ht * cot_h).sum(), leaves)
+    return o, ht, dict(zip(names, grads, strict=True))
+
+
+def test_varlen_equals_separate_sequences():
+    cu = [0, 13, 13, 70, 71]
+    inputs = make_inputs(B=1, T=71, K=6, V=5, per_channel=True, state=True, cu_seqlens=cu)
+    cot_o = torch.randn_like(inputs["v"])
+    cot_h = torch.randn_like(inputs["initial_state"])
+    o, ht, grads = _forward_backward(inputs, cot_o, cot_h)
+    for n in range(len(cu) - 1):
+        lo, hi = cu[n], cu[n + 1]
+        one = {name: inputs[name][:, lo:hi] for name in ("q", "k", "v", "g", "beta")}
+        one.update(initial_state=inputs["initial_state"][n:n + 1], cu_seqlens=None)
+        o1, ht1, grads1 = _forward_backward(one, cot_o[:, lo:hi], cot_h[n:n + 1])
+        torch.testing.assert_close(o[:, lo:hi], o1)
+        torch.testing.assert_close(ht[n:n + 1], ht1)
+        torch.testing.assert_close(grads["initial_state"][n:n + 1], grads1["initial_state"])
+        for name in ("q", "k", "v", "g", "beta"):
+            torch.testing.assert_close(grads[name][:, lo:hi], grads1[name])
+
+
+def test_gva_equals_repeated_qk():
+    inputs = make_inputs(B=2, T=30, H=2, HV=6, K=4, V=5, state=True, dtype=torch.float64)
+    leaves = {n: t.clone().requires_grad_() for n, t in inputs.items() if t is not None}
+    o, ht = rlx_torch.gated_delta_rule(leaves["q"], leaves["k"], leaves["v"], leaves["g"],
+                                       leaves["beta"], initial_state=leaves["initial_state"],
+                                       output_final_state=True)
+    rep = {n: leaves[n].detach().repeat_interleave(3, dim=2).requires_grad_() for n in "qk"}
+    o2, ht2 = rlx_torch.gated_delta_rule(rep["q"], rep["k"], leaves["v"], leaves["g"],
+                                         leaves["beta"], initial_state=leaves["initial_state"],
+                                         output_final_state=True)
+    torch.testing.assert_close(o, o2)
+    torch.testing.assert_close(ht, ht2)
+    w = torch.randn_like(o)
+    dq, dk = torch.autograd.grad((o * w).sum() + ht.sum(), [leaves["q"], leaves["k"]])
+    dq2, dk2 = torch.autograd.grad((o2 * w).sum() + ht2.sum(), [rep["q"], rep["k"]])
+    torch.testing.assert_close(dq, dq2.view(2, 30, 2, 3, 4).sum(3))
+    torch.testing.assert_close(dk, dk2.view(2, 30, 2, 3, 4).sum(3))
+
+
+def test_noncontiguous_and_empty_inputs():
+    base = make_inputs(B=2, T=33, H=2, HV=2, K=4, V=6, state=True)
+    # Non-contiguous views: time-major storage seen through a transpose, and a strided slice.
+    nc = dict(base)
+    nc["q"] = base["q"].transpose(0, 1).contiguous().transpose(0, 1)
+    nc["v"] = torch.stack([base["v"], -base["v"]], dim=-1)[..., 0]
+    nc["g"] = base["g"].transpose(1, 2).contiguous().transpose(1, 2)
+    assert not nc["q"].is_contiguous() and not nc["v"].is_contiguous()
+    torch.testing.assert_close(nc["v"], base["v"])
+    ours, ref = run_both(nc)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[torch.float32], name
+    for B, T in ((0, 5), (2, 0)):
+        empty = make_inputs(B=B, T=T, state=True)
+        ours, ref = run_both(empty, grads=False)
+        ht = ref["ht"]
+        for name, expected in ref.items():
+            assert ours[name].shape == expected.shape, name
+            torch.testing.assert_close(ours[name], expected)
+        # No tokens: the final state is the initial one, and so is its gradient.
+        o, ht, grads = _forward_backward(empty, torch.randn_like(empty["v"]), torch.ones_like(ht))
+        torch.testing.assert_close(grads["initial_state"], torch.ones_like(ht))
+        assert grads["q"].shape == empty["q"].shape
+
+
+def test_extreme_decay_long_sequence():
+    # g = -30 every step: exp(-30) ~ 9e-14, so S_t = beta_t k_t v_t^T up to ~1e-13 relative.
+    T, K, V = 65536, 4, 3
+    q = torch.randn(1, T, 1, K)
+    k = F.normalize(torch.randn(1, T, 1, K), dim=-1)
+    v = torch.randn(1, T, 1, V)
+    g = torch.full((1, T, 1), -30.0)
+    beta = torch.rand(1, T, 1)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta)]
+    o, ht = rlx_torch.gated_delta_rule(*leaves, output_final_state=True)
+    expected = (K**-0.5 * (q * k).sum(-1, keepdim=True)) * beta.unsqueeze(-1) * v
+    torch.testing.assert_close(o, expected, atol=1e-5, rtol=1e-4)
+    assert torch.isfinite(ht).all()
+    grads = torch.autograd.grad(o.sum() + ht.sum(), leaves)
+    assert all(torch.isfinite(gr).all() for gr in grads)
+
+
+@pytest.mark.parametrize("case", ["beta_zero", "k_one", "v_one", "strong_decay_per_channel"])
+def test_edge_cases_match_reference(case):
+    kw = dict(B=1, T=70, K=6, V=5, state=True)
+    if case == "k_one":
+        kw["K"] = 1
+    if case == "v_one":
+        kw["V"] = 1
+    if case == "strong_decay_per_channel":
+        kw["per_channel"] = True
+    inputs = make_inputs(**kw)
+    if case == "beta_zero":
+        inputs["beta"] = torch.zeros_like(inputs["beta"])
+    if case == "strong_decay_per_channel":
+        inputs["g"] = -30.0 * torch.rand_like(inputs["g"])
+    ours, ref = run_both(inputs)
+    for name, expected in ref.items():
+        assert torch.isfinite(ours[name]).all(), name
+        assert rel_rms(ours[name], expected) < TOL[torch.float32] or \
+            (ours[name] - expected).abs().max() < 1e-6, name
+
+
+def test_deterministic_bitwise():
+    inputs = make_inputs(B=2, T=100, H=2, HV=4, K=16, V=16, state=True, per_channel=True)
+    torch.manual_seed(1)
+    first, _ = run_both(inputs)
+    torch.manual_seed(1)
+    second, _ = run_both(inputs)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("per_channel,state", [(False, False), (True, False), (False, True)])
+def test_backward_layout_tiles_buffer(per_channel, state):
+    B, T, H, HV, K, V, N = 2, 9, 2, 6, 5, 7, 2
+    lay = _bwd_layout(B, T, H, HV, K, V, N, per_channel, state)
+    expected = {"dq": B * T * H * K, "dk": B * T * H * K, "dv": B * T * HV * V,
+                "dg": B * T * HV * (K if per_channel else 1), "dbeta": B * T * HV,
+                "dstate": N * HV * K * V if state else 0}
+    at = 0
+    for name in ("dq", "dk", "dv", "dg", "dbeta", "dstate"):  # in order, no gap, no overlap
+        offset, numel = lay[name]
+        assert offset == at and numel == expected[name], name
+        at += numel
+    assert lay["total"] == at
+    # The views handed to autograd cover every element of the buffer exactly once.
+    inputs = make_inputs(B=B, T=T, H=H, HV=HV, K=K, V=V, per_channel=per_channel, state=state)
+    packed = torch.arange(lay["total"], dtype=torch.float32)
+    views = unpack_gradients(packed, inputs["q"], inputs["v"], inputs["g"],
+                             inputs["initial_state"], None)
+    seen = torch.cat([t.reshape(-1) for t in views if t is not None])
+    assert torch.equal(seen, packed)
+
+
+def test_opcheck_ops():
+    for kw in (dict(state=True), dict(B=1, per_channel=True, cu_seqlens=[0, 4, 9], state=True),
+               dict(H=1, HV=2, K=3, V=5)):
+        inputs = make_inputs(T=9, K=kw.pop("K", 4), V=kw.pop("V", 3), **kw)
+        args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 0.5,
+                inputs["initial_state"], inputs["cu_seqlens"], 4)
+        torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args)
+        o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
+        bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4)
+        torch.library.opcheck(torch.ops.rlx.gated_delta_bwd.default, bwd_args)
+
+
+def test_torch_compile_fullgraph():
+    torch._dynamo.reset()
+
+    def layer(q, k, v, a, b, h0):
+        g = F.logsigmoid(a)
+        beta = torch.sigmoid(b)
+        o, ht = rlx_torch.gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                           output_final_state=True, use_qk_l2norm=True)
+        return (o * 2).sum() + ht.square().sum()
+
+    inputs = make_inputs(B=2, T=20, H=2, HV=4, K=8, V=4, state=True)
+    a = torch.randn(2, 20, 4)
+    b = torch.randn(2, 20, 4)
+    args = [inputs["q"], inputs["k"], inputs["v"], a, b, inputs["initial_state"]]
+    eager_args = [t.clone().requires_grad_() for t in args]
+    comp_args = [t.clone().requires_grad_() for t in args]
+    loss = layer(*eager_args)
+    loss.backward()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    loss_c = compiled(*comp_args)
+    loss_c.backward()
+    torch.testing.assert_close(loss_c, loss)
+    for x, y in zip(comp_args, eager_args, strict=True):
+        torch.testing.assert_close(x.grad, y.grad)
+
+
+def _call(**overrides):
+    inputs = make_inputs(B=2, T=5, H=2, HV=4, K=3, V=2)
+    inputs.update(overrides)
+    return rlx_torch.gated_delta_rule(
+        inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+        initial_state=inputs["initial_state"], cu_seqlens=inputs["cu_seqlens"])
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(q=torch.randn(2, 5, 2)), "q must be"),
+    (dict(k=torch.randn(2, 5, 2, 4)), "k must have q's shape"),
+    (dict(v=torch.randn(2, 5, 2)), "v must be"),
+    (dict(v=torch.randn(2, 5, 3, 2), g=torch.randn(2, 5, 3), beta=torch.rand(2, 5, 3)),
+     "multiple of the q/k heads"),
+    (dict(v=torch.randn(2, 6, 4, 2)), "v must share q's batch and time"),
+    (dict(g=torch.randn(2, 5, 3)), "g must be"),
+    (dict(beta=torch.rand(2, 4, 4)), "beta must be"),
+    (dict(cu_seqlens=torch.tensor([0, 2, 5])), "B must be 1"),
+    (dict(q=torch.randn(2, 5, 2, 3, dtype=torch.float64)), "share one dtype"),
+    (dict(q=torch.randn(2, 5, 2, 3).int()), "float16, bfloat16, float32 or float64"),
+    (dict(initial_state=torch.randn(2, 4, 2, 3)), "initial_state must be"),
+    (dict(initial_state=torch.randn(3, 4, 3, 2)), "initial_state must be"),
+    (dict(g=torch.ones(2, 5, 4, dtype=torch.long)), "g must be a floating-point"),
+])
+def test_bad_input_raises(overrides, match):
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        _call(**overrides)
+
+
+@pytest.mark.parametrize("cu,match", [
+    ([0, 4, 2, 5], "non-decreasing"),
+    ([0, 2, 4], "must end at T"),
+    ([1, 2, 5], "must start at 0"),
+    ([5], "N >= 1"),
+])
+def test_bad_cu_seqlens_raises(cu, match):
+    one = dict(q=torch.randn(1, 5, 2, 3), k=torch.randn(1, 5, 2, 3), v=torch.randn(1, 5, 4, 2),
+               g=torch.randn(1, 5, 4), beta=torch.rand(1, 5, 4))
+    with pytest.raises(RuntimeError, match=match):
+        _call(cu_seqlens=torch.tensor(cu), **one)
+    with pytest.raises(RuntimeError, match="int64"):
+        _call(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), **one)
