@@ -564,14 +564,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   TORCH_CHECK_VALUE(!mask[2] || scales.has_value(),
                     "codebook_matmul_backward: output_mask[2] (grad_scales) needs scales");
   check_index_range(indices, d);
-  const auto skipped = at::empty({0}, x.options());
+  // Distinct empty tensors for the outputs not computed (outputs must not alias).
+  const auto skipped = [&] { return at::empty({0}, x.options()); };
   const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   auto g2d = grad_out.reshape({d.rows, d.out_features}).contiguous();
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
   auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
-  at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : skipped;
-  at::Tensor dC = skipped, ds = skipped, db = skipped;
+  at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : skipped();
+  at::Tensor dC = skipped(), ds = skipped(), db = skipped();
   if (mask[3]) db = g2d.to(acc_type).sum(0).to(x.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
     using acc_t = typename AccType<scalar_t>::type;

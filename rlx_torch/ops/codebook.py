@@ -32,9 +32,20 @@ __all__ = ["codebook_matmul"]
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def _check_shapes(x, indices, codebook):
-    # The fake kernels see only shapes; the real checks (with the same wording) live in
-    # csrc/include/rlx/codebook.h and run in every backend.
+def _check_shapes(x, indices, codebook, scales=None, bias=None):
+    # The fake kernels see only shapes, dtypes and devices; the complete checks (same wording)
+    # live in csrc/include/rlx/codebook.h and run in every backend. A mix of devices that
+    # includes "meta" dispatches here instead of to a backend, so devices are checked here too.
+    for name, t in (
+        ("indices", indices),
+        ("codebook", codebook),
+        ("scales", scales),
+        ("bias", bias),
+    ):
+        if t is not None and t.device != x.device:
+            raise ValueError(
+                f"codebook_matmul: {name} must be on x's device {x.device}, got {t.device}"
+            )
     if x.dim() < 1 or x.dtype not in _FLOATS:
         raise ValueError(f"codebook_matmul: x must be a float tensor [..., K], got {x.dtype}")
     if indices.dtype != torch.uint8:
@@ -48,13 +59,13 @@ def _check_shapes(x, indices, codebook):
 
 @torch.library.register_fake("rlx::codebook_matmul")
 def _codebook_matmul_fake(x, indices, codebook, scales, bias):
-    _check_shapes(x, indices, codebook)
+    _check_shapes(x, indices, codebook, scales, bias)
     return x.new_empty((*x.shape[:-1], indices.shape[0]))
 
 
 @torch.library.register_fake("rlx::codebook_matmul_backward")
 def _codebook_matmul_backward_fake(grad_out, x, indices, codebook, scales, output_mask):
-    _check_shapes(x, indices, codebook)
+    _check_shapes(x, indices, codebook, scales)
     n = indices.shape[0]
     shapes = (x.shape, codebook.shape, (n,), (n,))
     return tuple(x.new_empty(s if on else (0,)) for s, on in zip(shapes, output_mask, strict=True))
@@ -71,7 +82,6 @@ class CodebookMatmul(torch.autograd.Function):
     def setup_context(ctx, inputs, output):
         x, indices, codebook, scales, _ = inputs
         ctx.save_for_backward(x, indices, codebook, scales)
-        ctx.mark_non_differentiable()
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -81,9 +91,7 @@ class CodebookMatmul(torch.autograd.Function):
         mask = [need[0], need[2], need[3] and scales is not None, need[4]]
         if not any(mask):
             return None, None, None, None, None
-        grads = torch.ops.rlx.codebook_matmul_backward(
-            grad_out, x, indices, codebook, scales, mask
-        )
+        grads = torch.ops.rlx.codebook_matmul_backward(grad_out, x, indices, codebook, scales, mask)
         gx, gc, gs, gb = (g if on else None for g, on in zip(grads, mask, strict=True))
         return gx, None, gc, gs, gb
 
