@@ -229,11 +229,13 @@ class Muon(Optimizer):
         updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
         # cat copies, so the NS input never aliases a momentum buffer.
         stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
+        del updates  # free the Nesterov copies before the NS temporaries are allocated
         ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
         ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
+        del stacked
         scale = lr_scale(group["adjust_lr_fn"], rows, cols)
         counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
-        delta = torch.empty(stacked.shape, dtype=dtype, device=device)
+        delta = torch.empty(ortho.shape, dtype=dtype, device=device)
 
         def pieces():
             return [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
