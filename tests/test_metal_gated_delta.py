@@ -141,6 +141,8 @@ def check_forward(emu, p, order="forward", seed=0, max_threads=1024):
     close(final, final_ref, 2e-5, "final_state")
     slots = written_slots(p)
     close(ckpt[slots], ckpt_ref[slots], 2e-5, "checkpoints")
+    unused = sorted(set(range(ckpt.shape[0])) - set(slots))
+    assert torch.equal(ckpt[unused], torch.zeros_like(ckpt[unused])), "unused slots not zero"
     return o, final, ckpt_ref
 
 

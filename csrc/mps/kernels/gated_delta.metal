@@ -85,6 +85,7 @@ inline ulong state_index(constant GdnParams& p, ulong slot, uint hv, uint r, uin
 
 // Forward. Grid (V-blocks, HV, N) x (32 * simdgroups); simdgroup sg owns column
 // vblock * simdgroups + sg. No threadgroup memory, no barriers: a simdgroup past V leaves.
+// Writes o, the final state, and every checkpoint slot (unused ones as zeros).
 template <typename T>
 kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
                             device const T* k [[buffer(1)]],
@@ -144,6 +145,16 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
   for (uint j = 0; j < kMaxKPerLane; ++j) {
     const uint r = lane + 32 * j;
     if (j < nk && r < K) final_state[state_index(p, n, hv, r, col)] = s[j];
+  }
+  // Slots no sequence uses are zero: those between this sequence's last slot and the next
+  // sequence's base n + 1 + eos / C (after the last sequence: the slot count N + ceil(B*T / C)).
+  const ulong end = n + 1 == p.num_seqs ? ulong(p.num_seqs) + (p.tokens + C - 1) / C
+                                        : ulong(n) + 1 + sb.eos / C;
+  for (; slot < end; ++slot) {
+    for (uint j = 0; j < kMaxKPerLane; ++j) {
+      const uint r = lane + 32 * j;
+      if (j < nk && r < K) checkpoints[state_index(p, slot, hv, r, col)] = 0.0f;
+    }
   }
 }
 
