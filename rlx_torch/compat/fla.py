@@ -29,11 +29,16 @@ def _check_kwargs(fn, kwargs, extra=()):
         raise TypeError(f"{fn}: unexpected keyword arguments {sorted(unknown)}")
 
 
+def _f32(x):
+    """At least float32 (float64 stays float64), as fla computes gates in float32."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, fn):
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError(f"{fn}: allow_neg_eigval requires use_beta_sigmoid_in_kernel=True")
     if use_beta_sigmoid_in_kernel:
-        beta = beta.float().sigmoid()
+        beta = _f32(beta).sigmoid()
         if allow_neg_eigval:
             beta = beta * 2
     return beta
@@ -68,8 +73,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     if use_gate_in_kernel:
         if A_log is None:
             raise ValueError(f"{fn}: use_gate_in_kernel=True requires A_log")
-        g = g.float() + (dt_bias.float() if dt_bias is not None else 0.0)
-        g = -A_log.float().exp() * F.softplus(g)
+        g = _f32(g) + (_f32(dt_bias) if dt_bias is not None else 0.0)
+        g = -_f32(A_log).exp() * F.softplus(g)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval, fn)
     return _run(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                 use_qk_l2norm_in_kernel, state_v_first)
@@ -121,8 +126,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
         if A_log is None:
             raise ValueError(f"{fn}: use_gate_in_kernel=True requires A_log")
         HV, K = g.shape[2], g.shape[3]
-        x = g.float() + (dt_bias.float().view(HV, K) if dt_bias is not None else 0.0)
-        A = A_log.float().exp().view(HV, 1)
+        x = _f32(g) + (_f32(dt_bias).view(HV, K) if dt_bias is not None else 0.0)
+        A = _f32(A_log).exp().view(HV, 1)
         if safe_gate:
             if lower_bound is None:
                 raise ValueError(f"{fn}: safe_gate=True requires lower_bound")
