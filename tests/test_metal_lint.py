@@ -54,6 +54,12 @@ def test_clean_source_passes():
         ("threadgroup float* row = tile + 1;", "threadgroup float row[4];",
          "threadgroup variable declared in a function body"),
         ("uint i [[thread_position_in_grid]]", "uint i", "parameter 'i' needs"),
+        ("uint i [[thread_position_in_grid]]",
+         "uint2 i [[thread_position_in_grid]], uint3 n [[threadgroups_per_grid]]",
+         "need the same number of components"),
+        ("uint i [[thread_position_in_grid]]",
+         "uint i [[thread_position_in_grid]], ushort n [[threads_per_grid]]",
+         "need the same type"),
     ],
 )
 def test_lint_rejects(old, new, message):

@@ -96,6 +96,44 @@ def _recursion(code, funcs):
     return problems
 
 
+# Metal's rules for kernel position attributes (MSL specification, "Kernel function input
+# attributes"): vector-typed ones agree on the component count, and these groups share a type.
+_POSITION_FAMILY = ("thread_position_in_grid", "threads_per_grid", "thread_position_in_threadgroup",
+                    "threads_per_threadgroup", "threadgroup_position_in_grid",
+                    "dispatch_threads_per_threadgroup", "threadgroups_per_grid")
+_SAME_TYPE = (("thread_position_in_grid", "threads_per_grid"),
+              ("thread_position_in_threadgroup", "threads_per_threadgroup",
+               "dispatch_threads_per_threadgroup"))
+
+
+def _builtin_types(code):
+    from tests.metal_emu.translate import BUILTINS, find_kernels
+
+    for name, k in find_kernels(code).items():
+        yield name, k.line, {BUILTINS[p.index]: p.ctype.replace("const ", "").strip()
+                             for p in k.params if p.kind == "builtin"}
+
+
+def _attribute_type_problems(code, path):
+    out = []
+    for kernel, line, types in _builtin_types(code):
+        where = f"{path}:{line}: kernel {kernel}"
+        widths = {a: int(t[-1]) for a, t in types.items()
+                  if a in _POSITION_FAMILY and t[-1:] in "234"}
+        if len(set(widths.values())) > 1:
+            out.append(f"{where}: vector position attributes need the same number of "
+                       f"components, got {widths}")
+        for group in _SAME_TYPE:
+            got = {a: types[a] for a in group if a in types}
+            if len(set(got.values())) > 1:
+                out.append(f"{where}: {', '.join(got)} need the same type, got {got}")
+        pos = types.get("thread_position_in_threadgroup", "")
+        if pos.startswith("uint") and types.get("thread_index_in_threadgroup", "uint") != "uint":
+            out.append(f"{where}: thread_index_in_threadgroup must be uint when "
+                       "thread_position_in_threadgroup is")
+    return out
+
+
 def lint_source(src, path="<source>"):
     """Returns a list of 'path:line: message' strings."""
     from tests.metal_emu.translate import TranslationError, translate
@@ -125,6 +163,7 @@ def lint_source(src, path="<source>"):
     if not out:
         try:
             translate(src, path)
+            out += _attribute_type_problems(_strip(src), path)
         except TranslationError as e:
             out.append(f"{path}: {e}")
     return out

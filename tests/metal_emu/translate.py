@@ -41,6 +41,7 @@ class Param:
     name: str
     kind: str  # "buffer" | "threadgroup" | "builtin"
     index: int  # slot, or position in BUILTINS
+    ctype: str = ""  # declared type, e.g. "uint3" or "device const float*"
 
 
 @dataclass
@@ -147,12 +148,13 @@ def parse_params(plist, function, line):
         if not m:
             raise TranslationError(f"{function} (line {line}): cannot read parameter {raw!r}")
         name = m.group(1)
+        ctype = " ".join(text[: m.start()].split())
         binding = None
         for attr, arg in attrs:
             if attr in ("buffer", "threadgroup"):
-                binding = Param(name, attr, int(arg, 0))
+                binding = Param(name, attr, int(arg, 0), ctype)
             elif attr in BUILTINS:
-                binding = Param(name, "builtin", BUILTINS.index(attr))
+                binding = Param(name, "builtin", BUILTINS.index(attr), ctype)
         if binding is None:
             raise TranslationError(
                 f"{function} (line {line}): parameter '{name}' needs [[buffer(i)]], "
