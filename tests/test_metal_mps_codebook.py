@@ -79,8 +79,10 @@ def test_views_bind_at_their_storage_offset(offset):
     assert_close(got, want, 1e-4, "out")
     # non-contiguous input (a transposed view) too
     xt = torch.randn(40, 4)
-    assert_close(torch.ops.rlx.codebook_matmul(xt.to("mps").t(), *mps(indices, codebook)),
-                 torch.ops.rlx.codebook_matmul(xt.t(), indices, codebook), 1e-4, "transposed")
+    assert_close(torch.ops.rlx.codebook_matmul(xt.to("mps").t(), *mps(indices, codebook), None,
+                                               None),
+                 torch.ops.rlx.codebook_matmul(xt.t(), indices, codebook, None, None), 1e-4,
+                 "transposed")
 
 
 def test_autograd_entry_point():
