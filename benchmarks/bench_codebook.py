@@ -1,0 +1,121 @@
+"""codebook_matmul side by side with dense float32 matmul and autograd through dequantize+matmul.
+
+Forward: rlx codebook_matmul vs ``x @ W.T`` (W the dense float32 weight, already built).
+Backward: rlx codebook_matmul_backward (dx + dcodebook) vs autograd through
+``F.embedding(indices, codebook) -> x @ W.T`` (the dequantize+matmul training path, the graph
+built once and reused). Timings alternate between the peers so load changes hit both alike;
+ratios are baseline / rlx (> 1 means rlx is faster). Prints one JSON line at the end.
+
+    python benchmarks/bench_codebook.py [--rows 1 16 256] [--threads N] [--repeat 15]
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import rlx_torch
+
+
+def paired_times(fns, repeat, warmup=2):
+    """Runs the callables alternately; returns the per-callable lists of seconds."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    times = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, out in zip(fns, times, strict=True):
+            start = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - start)
+    return times
+
+
+def summarize(name, base, ours):
+    row = {
+        "min_ms_baseline": min(base) * 1e3,
+        "min_ms_rlx": min(ours) * 1e3,
+        "median_ms_baseline": statistics.median(base) * 1e3,
+        "median_ms_rlx": statistics.median(ours) * 1e3,
+    }
+    row["ratio_min"] = row["min_ms_baseline"] / row["min_ms_rlx"]
+    row["ratio_median"] = row["median_ms_baseline"] / row["median_ms_rlx"]
+    print(
+        f"  {name:<34} baseline {row['median_ms_baseline']:8.3f} ms  rlx "
+        f"{row['median_ms_rlx']:8.3f} ms  ratio {row['ratio_median']:6.2f}x (median), "
+        f"{row['ratio_min']:6.2f}x (best)"
+    )
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
+    parser.add_argument("--features", type=int, default=4096, help="N = K")
+    parser.add_argument("--entry-dim", type=int, default=8)
+    parser.add_argument("--num-entries", type=int, default=256)
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--repeat", type=int, default=15)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    n = k = args.features
+    d, e = args.entry_dim, args.num_entries
+    indices = torch.randint(0, e, (n, k // d), dtype=torch.uint8)
+    codebook = torch.randn(e, d) / k**0.5
+    weight = F.embedding(indices.long(), codebook).reshape(n, k).contiguous()
+    print(
+        f"codebook_matmul N=K={n} D={d} E={e} M=1 codebook, threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}, {platform.machine()}"
+    )
+    results = {}
+    for rows in args.rows:
+        print(f"rows={rows}")
+        x = torch.randn(rows, k)
+        grad_out = torch.randn(rows, n)
+        fwd = paired_times(
+            [
+                lambda x=x: x @ weight.T,
+                lambda x=x: torch.ops.rlx.codebook_matmul(x, indices, codebook, None, None),
+            ],
+            args.repeat,
+        )
+        entry = {"forward_vs_dense": summarize("forward vs dense fp32 x @ W.T", *fwd)}
+
+        x_req = x.clone().requires_grad_()
+        cb_req = codebook.clone().requires_grad_()
+        out = x_req @ F.embedding(indices.long(), cb_req).reshape(n, k).T
+
+        bwd = paired_times(
+            [
+                lambda out=out, x_req=x_req, cb_req=cb_req, g=grad_out: torch.autograd.grad(
+                    out, (x_req, cb_req), g, retain_graph=True
+                ),
+                lambda x=x, g=grad_out: torch.ops.rlx.codebook_matmul_backward(
+                    g, x, indices, codebook, None, [True, True, False, False]
+                ),
+            ],
+            args.repeat,
+        )
+        entry["backward_vs_autograd"] = summarize("backward (dx+dC) vs autograd", *bwd)
+        results[str(rows)] = entry
+    record = {
+        "bench": "codebook_matmul",
+        "features": n,
+        "entry_dim": d,
+        "num_entries": e,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "rlx_torch": rlx_torch.__version__,
+        "results": results,
+    }
+    print(json.dumps(record))
+
+
+if __name__ == "__main__":
+    main()
