@@ -224,3 +224,37 @@ def test_plans_reject_shapes_beyond_32_bit_indexing(emu):
     _, plans = emu
     with pytest.raises(ValueError, match="rejected"):
         call_plan(plans.plan_codebook_forward, 1 << 20, 1 << 13, 8, 1024, 1, 256, 8, 0, 0, 0, 0)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_shapes(emu, seed):
+    # seeded draws over batch (0 to 40, across the mat-vec/tiled and code-scan thresholds), odd
+    # sizes, 2-d or 3-d indices, with or without scales/bias, every dtype and schedule order
+    r = torch.Generator().manual_seed(1000 + seed)
+
+    def draw(lo, hi):
+        return int(torch.randint(lo, hi + 1, (1,), generator=r))
+
+    b, n, groups, d, m, e = draw(0, 40), draw(1, 45), draw(1, 9), draw(1, 13), draw(1, 3), \
+        draw(1, 256)
+    dtype = list(DTYPES)[draw(0, 2)]
+    three_d = m > 1 or draw(0, 1) == 1
+    x, indices, codebook, scales, bias = make_inputs(b, n, groups, d, m, e, dtype,
+                                                     three_d=three_d, seed=seed)
+    scales = scales if draw(0, 1) else None
+    bias = bias if draw(0, 1) else None
+    order = ORDERS[seed % 3]
+    out, _ = run_forward(emu, x, indices, codebook, scales, bias, order=order)
+    grad_out = torch.randn(b, n).to(dtype)
+    mask = [True, True, scales is not None, bias is not None]
+    got = run_backward(emu, grad_out, x, indices, codebook, scales, mask, order=order, seed=seed)
+    ref_out, *want = _reference_grads(x, indices, codebook, scales, bias, grad_out)
+    rtol, atol = _tol(dtype)
+    torch.testing.assert_close(out.double(), ref_out.detach(), rtol=rtol, atol=atol)
+    for name, g, w, on in zip(["grad_x", "grad_codebook", "grad_scales", "grad_bias"], got,
+                              want, mask, strict=True):
+        if not on:
+            assert g.shape == (0,), name
+            continue
+        scale = w.abs().max().item() + 1.0 if w.numel() else 1.0
+        torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale, msg=name)
