@@ -173,12 +173,12 @@ inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads
                                                            uint32_t(s.head_v_dim)}));
   uint32_t sub = 1;
   for (; nsg >= 1; --nsg) {
-    const uint64_t rest = tg_floats_max - std::min(tg_floats_max,
-                                                   gdn_backward_tg_floats(nsg, 0, kp, s.gate_per_channel));
+    const uint64_t rows = gdn_backward_tg_floats(nsg, 0, kp, s.gate_per_channel);
+    const uint64_t rest = tg_floats_max - std::min(tg_floats_max, rows);
     sub = uint32_t(std::min<uint64_t>(chunk, rest / (uint64_t(nsg) * kp)));
     if (sub >= std::min<uint32_t>(8, chunk) || nsg == 1) break;
   }
-  sub = std::max<uint32_t>(1, sub);
+  sub = std::max<uint32_t>(1, sub);  // nsg == 1 always fits one state (K <= 256)
   p.simdgroups = nsg;
   p.sub = sub;
   p.num_vblocks = ceil_div(uint64_t(s.head_v_dim), nsg);

@@ -173,7 +173,8 @@ inline void advance(constant GdnParams& p, device const T* k, device const T* v,
     part += kk[j] * s[j];
   }
   const float kp = simd_sum(part);
-  const float vv = col < p.head_v_dim ? float(v[(tok * p.num_v_heads + hv) * p.head_v_dim + col]) : 0.0f;
+  const ulong vat = (tok * p.num_v_heads + hv) * p.head_v_dim + col;
+  const float vv = col < p.head_v_dim ? float(v[vat]) : 0.0f;  // 0: a column past V
   const float u = beta[tok * p.num_v_heads + hv] * (vv - kp);
   for (uint j = 0; j < kMaxKPerLane; ++j) s[j] += kk[j] * u;
 }
