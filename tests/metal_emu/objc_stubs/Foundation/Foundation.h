@@ -21,15 +21,12 @@ typedef signed char BOOL;
 @class NSString;
 
 @protocol NSObject
-- (instancetype)retain;
 - (oneway void)release;
-- (instancetype)autorelease;
 @end
 
 __attribute__((objc_root_class))
 @interface NSObject <NSObject>
 + (instancetype)alloc;
-+ (instancetype)new;
 - (instancetype)init;
 @end
 

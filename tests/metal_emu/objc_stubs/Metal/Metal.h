@@ -19,7 +19,6 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 }
 
 @protocol MTLFunction <NSObject>
-@property(readonly) NSString* name;
 @end
 
 @protocol MTLLibrary <NSObject>
@@ -32,19 +31,15 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 
 @protocol MTLComputePipelineState <NSObject>
 @property(readonly) NSUInteger maxTotalThreadsPerThreadgroup;
-@property(readonly) NSUInteger threadExecutionWidth;
-@property(readonly) NSUInteger staticThreadgroupMemoryLength;
 @end
 
 @protocol MTLResource <NSObject>
 @end
 
 @protocol MTLBuffer <MTLResource>
-@property(readonly) NSUInteger length;
 @end
 
 @protocol MTLDevice <NSObject>
-@property(readonly) NSUInteger maxThreadgroupMemoryLength;
 - (id<MTLLibrary>)newLibraryWithSource:(NSString*)source
                                options:(MTLCompileOptions*)options
                                  error:(NSError**)error;
@@ -66,7 +61,6 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 @end
 
 @protocol MTLCommandBuffer <NSObject>
-@property(readonly) id<MTLDevice> device;
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder;
 @end
 
