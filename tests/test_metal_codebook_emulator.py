@@ -258,3 +258,38 @@ def test_random_shapes(emu, seed):
             continue
         scale = w.abs().max().item() + 1.0 if w.numel() else 1.0
         torch.testing.assert_close(g.double(), w, rtol=rtol, atol=atol * scale, msg=name)
+
+
+def _without_first(text, anchor, needle):
+    """text with the first `needle` after `anchor` removed."""
+    at = text.index(needle, text.index(anchor))
+    return text[:at] + text[at + len(needle) :]
+
+
+BARRIER = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+
+
+@pytest.mark.parametrize(
+    "kernel,batch",
+    [("kernel void codebook_mv(", 2), ("kernel void codebook_mm(", 40)],
+)
+def test_these_tests_catch_a_barrier_removed_from_the_real_kernel(emu, kernel, batch):
+    from pathlib import Path
+
+    from tests.metal_emu import REPO, load_source
+
+    text = (Path(REPO) / "csrc/mps/kernels/codebook.metal").read_text()
+    if kernel.endswith("codebook_mm("):  # the barrier between staging the tiles and using them
+        anchor = text.index(BARRIER, text.index(kernel)) + len(BARRIER)
+        broken = text[:anchor] + _without_first(text[anchor:], "", BARRIER)
+    else:  # the barrier after staging the codebook
+        broken = _without_first(text, kernel, BARRIER)
+    assert broken != text
+    lib = load_source(broken, "codebook_planted_" + kernel.split()[-1].rstrip("("))
+    x, indices, codebook, scales, bias = make_inputs(batch, 37, 5, 8, 1, 256, torch.float32)
+    want = reference.codebook_matmul(x, indices, codebook, scales, bias)
+    good, _ = run_forward(emu, x, indices, codebook, scales, bias, order="forward")
+    torch.testing.assert_close(good, want, rtol=2e-5, atol=2e-5)
+    bad, plan = run_forward((lib, emu[1]), x, indices, codebook, scales, bias, order="forward")
+    assert plan.kernel.startswith(kernel.split()[-1].rstrip("("))
+    assert not torch.allclose(bad, want, rtol=1e-3, atol=1e-3, equal_nan=False)
