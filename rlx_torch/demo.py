@@ -100,16 +100,29 @@ def _check_out_dir(parser: argparse.ArgumentParser, out: str) -> None:
         parser.error(f"--out {out!r} is not a writable folder ({e.strerror or e})")
 
 
+_NATIVE_OPS = ("rlx::gated_delta_fwd", "rlx::codebook_matmul")
+
+
+def _has_native_kernels(dispatch_key: str) -> bool:
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, dispatch_key)
+               for op in _NATIVE_OPS)
+
+
 def pick_device(choice: str) -> torch.device:
+    """``auto``: MPS, then CUDA, then CPU, skipping a device this build of rlx_torch has no
+    kernels for (e.g. CUDA before its kernels exist)."""
     mps_ok = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+    available = {"mps": mps_ok, "cuda": torch.cuda.is_available(), "cpu": True}
     if choice == "auto":
-        if mps_ok:
-            return torch.device("mps")
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "mps" and not mps_ok:
-        raise SystemExit("--device mps: MPS is not available on this machine")
-    if choice == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: CUDA is not available on this machine")
+        for name in ("mps", "cuda"):
+            if available[name] and _has_native_kernels(name.upper()):
+                return torch.device(name)
+        return torch.device("cpu")
+    if not available[choice]:
+        raise SystemExit(f"--device {choice}: {choice.upper()} is not available on this machine")
+    if not _has_native_kernels(choice.upper()):
+        raise SystemExit(f"--device {choice}: this build of rlx_torch has no {choice.upper()} "
+                         "kernels (use --device cpu)")
     return torch.device(choice)
 
 

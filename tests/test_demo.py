@@ -99,3 +99,11 @@ def test_module_entry_point_help():
                                 text=True, env=env, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "--steps" in result.stdout and "--out" in result.stdout
+
+
+def test_device_choice():
+    assert demo.pick_device("auto").type in ("cpu", "cuda", "mps")
+    assert demo.pick_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
+            demo.pick_device("cuda")
