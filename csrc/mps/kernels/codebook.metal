@@ -31,6 +31,7 @@ constant constexpr uint kTChunk = 8;       // entry components held in registers
 constant constexpr uint kTile = 32;        // tiled kernels: 32 x 32 outputs, 32-wide K steps
 constant constexpr uint kTilePad = 33;     // padded row stride of the tiles in threadgroup memory
 constant constexpr uint kMaxEntryChunks = 8;  // E <= 256 = 8 codes per lane
+constant constexpr uint kLutRows = 4;         // dcodebook code scans: batch rows per scan
 
 // x . C[m, e, t0 : t0 + n] with the entry read from threadgroup or device memory.
 inline float dot_entry(threadgroup const float* c, thread const float* xr, uint n) {
@@ -289,9 +290,9 @@ kernel void codebook_dx_mm(device const T* grad_out [[buffer(0)]],
 // dC[m, c, t] = sum_{b, j, g : I[j,g,m] = c} dout[b, j] s_j x[b, g*D + t]
 // threadgroups (num_gblocks, M, ceil(D / t_block)), one simdgroup each. Lane l owns the codes
 // c = l (mod 32) and is the only thread that adds into their rows of the threadgroup partial,
-// so every sum runs in a fixed order (no atomics). Small batch: for each batch row, lanes scan
-// the codes of column g in lockstep and each adds dout * s to its own code's histogram, then
-// multiplies by x. Large batch: for each row j, lanes split the batch for
+// so every sum runs in a fixed order (no atomics). Small batch: for each block of 4 batch rows,
+// lanes scan the codes of column g in lockstep and each adds dout * s to its own codes'
+// histograms (one per row), then multiplies them by x. Large batch: for each row j, lanes split the batch for
 // sum_b dout[b, j] x[b, g*D + t], simd_sum, and the owner of the code adds it.
 template <typename T>
 kernel void codebook_dcodebook_partial(device const T* grad_out [[buffer(0)]],
@@ -313,21 +314,25 @@ kernel void codebook_dcodebook_partial(device const T* grad_out [[buffer(0)]],
 
   for (uint g = g_begin; g < g_end; ++g) {
     if (p.lut_scan) {
-      for (uint b = 0; b < B; ++b) {
-        float hist[kMaxEntryChunks] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+      for (uint b0 = 0; b0 < B; b0 += kLutRows) {
+        const uint nb = min(kLutRows, B - b0);
+        float hist[kMaxEntryChunks][kLutRows];
+        for (uint s = 0; s < kMaxEntryChunks; ++s)
+          for (uint bb = 0; bb < kLutRows; ++bb) hist[s][bb] = 0.0f;
         for (uint j = 0; j < N; ++j) {
           const uint c = indices[(j * G + g) * M + m];
           if (c < E && (c % kSimd) == lane) {
-            float gj = float(grad_out[b * N + j]);
-            if (p.has_scales) gj *= float(scales[j]);
-            hist[c / kSimd] += gj;
+            const float s = p.has_scales ? float(scales[j]) : 1.0f;
+            for (uint bb = 0; bb < nb; ++bb)
+              hist[c / kSimd][bb] += float(grad_out[(b0 + bb) * N + j]) * s;
           }
         }
         for (uint s = 0; s < kMaxEntryChunks; ++s) {
           const uint c = lane + s * kSimd;
           if (c >= E) break;
-          for (uint t = 0; t < nt; ++t)
-            part[c * p.t_block + t] += hist[s] * float(x[b * K + g * D + t0 + t]);
+          for (uint bb = 0; bb < nb; ++bb)
+            for (uint t = 0; t < nt; ++t)
+              part[c * p.t_block + t] += hist[s][bb] * float(x[(b0 + bb) * K + g * D + t0 + t]);
         }
       }
     } else {
