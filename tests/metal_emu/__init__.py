@@ -110,16 +110,19 @@ def _compile(source, stem, extra_flags=()):
     if out.exists():
         return out
     BUILD.mkdir(parents=True, exist_ok=True)
-    src_path = BUILD / f"{stem}-{h.hexdigest()[:16]}.cpp"
-    src_path.write_text(source)
+    # private file names until the end: concurrent test processes never see half a file
+    fd, src_tmp = tempfile.mkstemp(suffix=".cpp", dir=BUILD)
+    with os.fdopen(fd, "w") as f:
+        f.write(source)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=BUILD)
     os.close(fd)
-    cmd = [CXX, *CXXFLAGS, f"-I{INCLUDE}", *extra_flags, str(src_path), "-o", tmp]
+    cmd = [CXX, *CXXFLAGS, f"-I{INCLUDE}", *extra_flags, src_tmp, "-o", tmp]
     proc = subprocess.run(cmd, capture_output=True, text=True)
+    os.replace(src_tmp, out.with_suffix(".cpp"))  # kept for reading compiler errors
     if proc.returncode != 0:
         os.unlink(tmp)
         raise CompileError(f"emulator compile of {stem} failed:\n{proc.stderr[-6000:]}")
-    os.replace(tmp, out)  # atomic: concurrent test processes never see half a library
+    os.replace(tmp, out)
     return out
 
 
