@@ -1,0 +1,114 @@
+"""Gated delta rule on the CPU: rlx_torch.gated_delta_rule vs transformers'
+``torch_chunk_gated_delta_rule`` (the plain-PyTorch chunked code HF runs for Qwen3-Next when
+fla is absent), side by side in one process, float32, q/k L2-normalized inside both.
+
+    .venv/bin/pip install transformers   # benchmark-only dependency
+    .venv/bin/python benchmarks/bench_gdn.py [--repeats N] [--quick]
+
+Prints times, speed-ups and GFLOP/s, then one JSON line. FLOP model (per token and value
+head, multiply-add = 2): forward 7*K*V (decay K*V, S^T k, k u^T and S^T q at 2*K*V each);
+forward+backward counted as 3x the forward, the usual convention.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the in-place build
+import rlx_torch  # noqa: E402
+
+
+def load_hf():
+    try:
+        from transformers.models.qwen3_next.modeling_qwen3_next import (
+            torch_chunk_gated_delta_rule,
+        )
+    except ImportError as e:
+        print(f"transformers is not installed ({e}); install it for the comparison:\n"
+              "    .venv/bin/pip install transformers\n"
+              "Timing rlx_torch alone.", file=sys.stderr)
+        return None
+    return torch_chunk_gated_delta_rule
+
+
+def make_inputs(B, T, H, K, V, requires_grad):
+    q = torch.randn(B, T, H, K)
+    k = torch.randn(B, T, H, K)
+    v = torch.randn(B, T, H, V)
+    g = F.logsigmoid(torch.randn(B, T, H) + 2.0)
+    beta = torch.rand(B, T, H)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, g, beta)]
+
+
+def ours(q, k, v, g, beta):
+    return rlx_torch.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0]
+
+
+def theirs_fn(hf):
+    def run(q, k, v, g, beta):
+        return hf(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+def timed(fn, args, backward, repeats):
+    """Median wall time (ms) of fn(*args) (and its backward), after one warm-up call."""
+    def once():
+        out = fn(*args)
+        if backward:
+            out.backward(torch.ones_like(out))
+        return out
+
+    once()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        once()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="only the small shape")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    hf = load_hf()
+    cases = [("fwd", (1, 2048, 4, 64, 64), False, args.repeats),
+             ("fwd+bwd", (1, 2048, 4, 64, 64), True, args.repeats)]
+    if not args.quick:
+        cases.append(("fwd", (1, 8192, 16, 128, 128), False, max(1, args.repeats // 3)))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{platform.processor() or platform.machine()}")
+    results = []
+    for mode, (B, T, H, K, V), backward, repeats in cases:
+        inputs = make_inputs(B, T, H, K, V, backward)
+        with torch.set_grad_enabled(backward):
+            if hf is not None:  # same math: check before timing
+                diff = (ours(*inputs) - theirs_fn(hf)(*inputs)).abs().max().item()
+                assert diff < 1e-3, f"outputs differ by {diff}"
+            t_ours = timed(ours, inputs, backward, repeats)
+            t_hf = timed(theirs_fn(hf), inputs, backward, repeats) if hf else None
+        flops = 7 * K * V * B * T * H * (3 if backward else 1)
+        row = dict(mode=mode, B=B, T=T, H=H, K=K, V=V, rlx_ms=round(t_ours, 2),
+                   hf_ms=round(t_hf, 2) if t_hf else None,
+                   speedup=round(t_hf / t_ours, 2) if t_hf else None,
+                   rlx_gflops=round(flops / t_ours / 1e6, 2))
+        results.append(row)
+        shape = f"B={B} T={T} H={H} K={K} V={V}"
+        hf_text = f"hf {t_hf:9.1f} ms  speed-up {t_hf / t_ours:6.1f}x" if t_hf else "hf n/a"
+        print(f"{mode:8s} {shape:32s} rlx {t_ours:8.1f} ms ({row['rlx_gflops']:.1f} GFLOP/s)"
+              f"  {hf_text}")
+    print(json.dumps({"bench": "gated_delta_rule", "threads": torch.get_num_threads(),
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
