@@ -7,7 +7,7 @@ Matches `torch.optim.Muon` when configured alike (Keller coefficients, `adjust_l
 - `use_muon=False` groups are updated with AdamW by the same optimizer;
 - coefficient presets (Keller, Polar Express), configurable NS dtype;
 - `step()` never writes `p.grad`, never lets a momentum buffer alias the NS input, and makes no
-  host-device synchronisation (no `.item()`, no Python branching on tensor values).
+  host-device synchronisation (no reads of device tensors, no branching on tensor values).
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
 
 
 def default_ns_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 on CUDA (tensor cores, error well inside what NS tolerates); float32 elsewhere:
-    CPU GEMMs lose less to fp32 than GPUs do, and on MPS bf16 is emulated on M1/M2 and was
-    measured slower than fp32 on newer chips. float64 params on CPU keep float64."""
+    """bfloat16 on CUDA (tensor cores; its rounding is well inside what NS tolerates). float32
+    elsewhere: many CPUs have no bf16 matmul units and emulate it slower than fp32; on MPS bf16
+    is emulated on M1/M2 and was measured slower than fp32 on newer chips. float64 params on
+    CPU keep float64."""
     if device.type == "cuda":
         return torch.bfloat16
     if device.type == "cpu" and param_dtype == torch.float64:
