@@ -68,8 +68,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=_positive_float, default=0.02, help="Muon learning rate")
     p.add_argument("--adam-lr", type=_positive_float, default=3e-3,
                    help="learning rate of the AdamW side (embeddings, norms, gates)")
+    p.add_argument("--codebooks", type=_positive_int, default=2,
+                   help="additive codebooks per MLP linear (2: 2 bits per weight with 8-dim "
+                   "entries, AQLM's 2x8)")
+    p.add_argument("--entry-dim", type=_positive_int, default=8,
+                   help="input weights per codebook entry (8)")
     p.add_argument("--eval-bytes", type=_positive_int, default=16384,
                    help="held-out bytes scored for bits per byte")
+    p.add_argument("--eval-every", type=_non_negative_int, default=None,
+                   help="held-out scoring interval in steps (default: steps // 10; 0: never)")
     p.add_argument("--sample-bytes", type=_non_negative_int, default=300)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -184,7 +191,10 @@ def lr_factor(step: int, total: int, warmup: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(model, optimizer, tokens, steps, args, device, generator, desc, history):
+def train(model, optimizer, tokens, steps, args, device, generator, desc, curves, score):
+    """``steps`` Muon steps on random windows; appends each batch's bits per byte to
+    ``curves["batches"]`` and, every ``args.eval_every`` steps, ``(step, score())`` to
+    ``curves["held_out"]``. Returns the seconds spent training (scoring excluded)."""
     from tqdm import tqdm
 
     base_lrs = [group["lr"] for group in optimizer.param_groups]
@@ -192,8 +202,9 @@ def train(model, optimizer, tokens, steps, args, device, generator, desc, histor
     tokens_per_step = args.batch_size * args.seq_len
     bar = tqdm(range(steps), desc=desc, unit="step", disable=args.no_progress, dynamic_ncols=True)
     model.train()
-    started = time.perf_counter()
+    busy = 0.0
     for step in bar:
+        started = time.perf_counter()
         for group, base in zip(optimizer.param_groups, base_lrs, strict=True):
             group["lr"] = base * lr_factor(step, steps, warmup)
         x, y = random_batch(tokens, args.batch_size, args.seq_len, generator, device)
@@ -203,32 +214,42 @@ def train(model, optimizer, tokens, steps, args, device, generator, desc, histor
         loss.backward()
         optimizer.step()
         bits = loss.item() / LN2
-        history.append(bits)
-        rate = (step + 1) * tokens_per_step / (time.perf_counter() - started)
-        bar.set_postfix(loss_bpb=f"{bits:.3f}", tok_s=f"{rate:,.0f}")
+        busy += time.perf_counter() - started
+        curves["batches"].append(bits)
+        rate = (step + 1) * tokens_per_step / busy
+        postfix = {"loss_bpb": f"{bits:.3f}", "tok_s": f"{rate:,.0f}"}
+        if args.eval_every and (step + 1) % args.eval_every == 0 and step + 1 < steps:
+            curves["held_out"].append((len(curves["batches"]) - 1, score()))
+            model.train()
+        if curves["held_out"]:
+            postfix["held_out_bpb"] = f"{curves['held_out'][-1][1]:.3f}"
+        bar.set_postfix(postfix)
     bar.close()
-    return time.perf_counter() - started
+    return busy
 
 
 # ---------------------------------------------------------------- artifacts
-def save_loss_curve(path, train_hist, finetune_hist, marks, baseline):
+def save_loss_curve(path, curves, phase_starts, marks, baseline):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.plot(range(len(train_hist)), train_hist, lw=0.8, label="training batches")
-    if finetune_hist:
-        start = len(train_hist)
-        ax.plot(range(start, start + len(finetune_hist)), finetune_hist, lw=0.8,
-                label="codebook fine-tuning batches")
+    batches = curves["batches"]
+    bounds = [*phase_starts.values(), len(batches)]
+    for (label, start), stop in zip(phase_starts.items(), bounds[1:], strict=True):
+        if stop > start:
+            ax.plot(range(start, stop), batches[start:stop], lw=0.8, label=f"{label} batches")
+    if curves["held_out"]:
+        steps, values = zip(*curves["held_out"], strict=True)
+        ax.plot(steps, values, "o-", ms=3, lw=1, color="black", label="held-out")
     for label, (step, value) in marks.items():
-        ax.scatter([step], [value], zorder=3, label=f"held-out, {label}: {value:.3f}")
+        ax.scatter([step], [value], zorder=3, s=40, label=f"held-out, {label}: {value:.3f}")
     ax.axhline(baseline, color="gray", ls="--", lw=1, label=f"unigram baseline: {baseline:.3f}")
     ax.set_xlabel("step")
     ax.set_ylabel("bits per byte")
-    ax.set_title("rlx_torch demo: byte-level Gated DeltaNet LM")
+    ax.set_title("rlx_torch demo: byte-level Gated DeltaNet LM, Muon, codebook MLPs")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -248,10 +269,18 @@ def sample_text(model, device, n_bytes, seed) -> str:
 def main(argv=None) -> dict:
     parser = build_parser()
     args = parser.parse_args(argv)
+    config = GDNConfig(hidden_size=args.hidden_size, num_layers=args.layers,
+                       num_heads=max(1, args.hidden_size // 64), head_dim=64)
+    for width in (config.hidden_size, config.mlp_width()):
+        if width % args.entry_dim:
+            parser.error(f"--entry-dim {args.entry_dim} must divide the MLP input widths "
+                         f"{config.hidden_size} and {config.mlp_width()}")
     _require_demo_extras()
     _check_out_dir(parser, args.out)
     device = pick_device(args.device)
     finetune_steps = args.steps // 5 if args.finetune_steps is None else args.finetune_steps
+    if args.eval_every is None:
+        args.eval_every = args.steps // 10
     torch.manual_seed(args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     started = time.perf_counter()
@@ -261,44 +290,60 @@ def main(argv=None) -> dict:
     if len(train_tokens) <= args.seq_len + 1 or len(held_out) <= args.seq_len + 1:
         parser.error(f"--seq-len {args.seq_len} is too long for the corpus")
     baseline = unigram_bits_per_byte(train_tokens, held_out)
-    config = GDNConfig(hidden_size=args.hidden_size, num_layers=args.layers,
-                       num_heads=max(1, args.hidden_size // 64), head_dim=64)
     model = GDNLanguageModel(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"rlx_torch demo on {device}: {DEMO_CORPUS} ({len(train_tokens):,} training bytes, "
           f"{len(held_out) - 1:,} held out), {n_params / 1e3:.0f}k parameters")
     print(f"unigram baseline: {baseline:.3f} bits per byte")
 
-    history, ft_history, marks = [], [], {}
+    def score():
+        return bits_per_byte(model, held_out, args.seq_len, args.batch_size, device)
+
+    def save(name):
+        torch.save({"config": asdict(config), "model": model.state_dict(), "args": vars(args)},
+                   os.path.join(args.out, name))
+
+    curves, marks = {"batches": [], "held_out": []}, {}
+    phase_starts = {"training": 0}
     optimizer = make_optimizer(model, args.lr, args.adam_lr)
     train_s = train(model, optimizer, train_tokens, args.steps, args, device, generator,
-                    "train", history)
-    bpb_trained = bits_per_byte(model, held_out, args.seq_len, args.batch_size, device)
-    marks["trained"] = (len(history) - 1, bpb_trained)
+                    "train", curves, score)
+    bpb_trained = score()
+    marks["trained"] = (args.steps - 1, bpb_trained)
+    curves["held_out"].append(marks["trained"])
     print(f"held-out: {bpb_trained:.3f} bits per byte after {args.steps} steps "
-          f"({train_s:.0f} s; unigram {baseline:.3f})")
-    torch.save({"config": asdict(config), "model": model.state_dict(), "args": vars(args)},
-               os.path.join(args.out, "checkpoint.pt"))
+          f"({train_s:.0f} s of training; unigram {baseline:.3f})")
+    save("checkpoint.pt")
 
-    model.quantize_mlp()
-    bpb_quantized = bits_per_byte(model, held_out, args.seq_len, args.batch_size, device)
-    marks["quantized"] = (len(history) - 1, bpb_quantized)
+    quantize_started = time.perf_counter()
+    model.quantize_mlp(num_codebooks=args.codebooks, entry_dim=args.entry_dim)
+    quantize_s = time.perf_counter() - quantize_started
+    bpb_quantized = score()
+    marks["codebook MLPs"] = (args.steps - 1, bpb_quantized)
+    curves["held_out"].append(marks["codebook MLPs"])
+    linear = model.blocks[0].mlp.gate_proj
+    print(f"quantized the MLP linears to {linear.bits_per_weight:g} bits per weight "
+          f"({args.codebooks} codebook(s) of 256 entries of {args.entry_dim}) in "
+          f"{quantize_s:.0f} s: held-out {bpb_quantized:.3f} bits per byte")
+    # Fine-tune only the codebooks and scales (the uint8 indices stay fixed).
     for p in model.parameters():
         p.requires_grad_(False)
     for parent, name in model.mlp_linears():
         for p in getattr(parent, name).parameters():
-            p.requires_grad_(p.is_floating_point())
+            p.requires_grad_(True)
+    finetune_s = 0.0
     if finetune_steps:
+        phase_starts["codebook fine-tuning"] = args.steps
         ft_optimizer = make_optimizer(model, args.lr / 4, args.adam_lr / 4)
-        train(model, ft_optimizer, train_tokens, finetune_steps, args, device, generator,
-              "fine-tune codebooks", ft_history)
-    bpb_finetuned = bits_per_byte(model, held_out, args.seq_len, args.batch_size, device)
-    marks["codebook fine-tuned"] = (len(history) + len(ft_history) - 1, bpb_finetuned)
+        finetune_s = train(model, ft_optimizer, train_tokens, finetune_steps, args, device,
+                           generator, "fine-tune codebooks", curves, score)
+    bpb_finetuned = score()
+    marks["codebooks fine-tuned"] = (args.steps + finetune_steps - 1, bpb_finetuned)
+    curves["held_out"].append(marks["codebooks fine-tuned"])
     print(f"held-out bits per byte: float {bpb_trained:.3f} -> codebook MLPs {bpb_quantized:.3f}"
-          f" -> after {finetune_steps} fine-tuning steps {bpb_finetuned:.3f}")
-    torch.save({"config": asdict(config), "model": model.state_dict(), "args": vars(args)},
-               os.path.join(args.out, "checkpoint_codebook.pt"))
-    save_loss_curve(os.path.join(args.out, "loss_curve.png"), history, ft_history, marks,
+          f" -> after {finetune_steps} codebook fine-tuning steps {bpb_finetuned:.3f}")
+    save("checkpoint_codebook.pt")
+    save_loss_curve(os.path.join(args.out, "loss_curve.png"), curves, phase_starts, marks,
                     baseline)
 
     text = sample_text(model, device, args.sample_bytes, args.seed)
@@ -311,8 +356,10 @@ def main(argv=None) -> dict:
         "device": str(device), "steps": args.steps, "finetune_steps": finetune_steps,
         "unigram_bpb": round(baseline, 4), "trained_bpb": round(bpb_trained, 4),
         "quantized_bpb": round(bpb_quantized, 4), "finetuned_bpb": round(bpb_finetuned, 4),
-        "first_train_bpb": round(history[0], 4), "last_train_bpb": round(history[-1], 4),
-        "train_seconds": round(train_s, 1),
+        "first_train_bpb": round(curves["batches"][0], 4),
+        "last_train_bpb": round(curves["batches"][args.steps - 1], 4),
+        "bits_per_weight": linear.bits_per_weight, "train_seconds": round(train_s, 1),
+        "finetune_seconds": round(finetune_s, 1), "quantize_seconds": round(quantize_s, 1),
         "total_seconds": round(time.perf_counter() - started, 1),
     }
     with open(os.path.join(args.out, "summary.json"), "w") as f:

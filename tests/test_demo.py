@@ -12,7 +12,7 @@ from rlx_torch import demo
 
 TINY_RUN = ["--steps", "40", "--finetune-steps", "4", "--batch-size", "8", "--seq-len", "32",
             "--hidden-size", "64", "--layers", "1", "--eval-bytes", "2048", "--sample-bytes", "24",
-            "--lr", "0.03", "--adam-lr", "0.01", "--no-progress"]
+            "--lr", "0.03", "--adam-lr", "0.01", "--eval-every", "10", "--no-progress"]
 
 
 def test_short_run_writes_artifacts_and_learns(tmp_path, capsys):
@@ -62,6 +62,7 @@ def test_unigram_baseline_and_scoring_helpers():
     (["--lr", "-1"], "must be a positive number"),
     (["--finetune-steps", "-2"], "must be an integer >= 0"),
     (["--bogus"], "unrecognized arguments"),
+    (["--entry-dim", "7"], "--entry-dim 7 must divide the MLP input widths 128 and 352"),
 ])
 def test_bad_flags_are_argparse_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
