@@ -235,3 +235,95 @@ def test_plans_from_cpp_headers(lib):
     assert total.item() == 300 * 0.25
     with pytest.raises(ValueError, match="rejected arguments"):
         call_plan(plans.plan_histogram, -1)
+
+
+# ---- simdgroups run independently between threadgroup barriers -------------------------------
+
+
+def test_simd_collective_waits_only_for_its_own_simdgroup(lib):
+    counter = torch.zeros(1, dtype=torch.int32)
+    tickets = torch.zeros(96, 2, dtype=torch.int32)
+    lib.run("simd_tickets", 1, 96, [counter, tickets], order="forward")
+    # simdgroup 0 finishes (both tickets) before simdgroup 1 starts: it ran ahead
+    assert tickets[:32, 0].tolist() == list(range(32))
+    assert tickets[:32, 1].tolist() == list(range(32, 64))
+    assert tickets[32:64, 0].min().item() == 64
+    lib.run("simd_tickets", 1, 96, [counter.zero_(), tickets], order="reverse")
+    assert tickets[64:, 1].max().item() == 63 and tickets[:32, 0].min().item() == 128
+    starts = set()
+    for seed in range(6):  # shuffle interleaves simdgroups at collectives, differently per seed
+        lib.run("simd_tickets", 1, 96, [counter.zero_(), tickets], order="shuffle", seed=seed)
+        assert sorted(tickets.flatten().tolist()) == list(range(192))
+        assert (tickets[:, 1] > tickets[:, 0]).all()
+        starts.add(tuple(tickets[::32, 0].tolist()))
+    assert len(starts) > 1
+
+
+@pytest.mark.parametrize("threads", [64, 70, 128])
+def test_simd_reduction_through_threadgroup_memory(lib, threads):
+    rows = 5
+    x = torch.randn(rows, threads)
+    nsg = (threads + 31) // 32
+    want = x.sum(1, keepdim=True).expand(rows, nsg)
+    for order in ORDERS:
+        out = torch.full((rows, nsg), float("nan"))
+        lib.run("simd_row_sums", 1, threads, [x, out, struct.pack("I", rows)], [16 * 4],
+                order=order, seed=threads)
+        torch.testing.assert_close(out, want)
+
+
+@pytest.mark.parametrize("threads", [64, 70, 128])
+def test_catches_missing_barrier_after_simd_reduction(lib, threads):
+    # The race needs a simdgroup to run ahead through its next simd_sum while the others still
+    # read threadgroup memory: forward and reverse both do (lowest / highest simdgroup first).
+    rows = 5
+    x = torch.randn(rows, threads)
+    nsg = (threads + 31) // 32
+    want = x.sum(1, keepdim=True).expand(rows, nsg)
+    for order in ["forward", "reverse"]:
+        out = torch.full((rows, nsg), float("nan"))
+        lib.run("simd_row_sums_missing_barrier", 1, threads, [x, out, struct.pack("I", rows)],
+                [16 * 4], order=order)
+        assert not torch.allclose(out, want), f"missing barrier went unnoticed ({order})"
+    caught = 0
+    for seed in range(4):
+        out = torch.full((rows, nsg), float("nan"))
+        lib.run("simd_row_sums_missing_barrier", 1, threads, [x, out, struct.pack("I", rows)],
+                [16 * 4], order="shuffle", seed=seed)
+        caught += not torch.allclose(out, want)
+    assert caught > 0
+
+
+# ---- watchdog --------------------------------------------------------------------------------
+
+
+def test_watchdog_stops_an_infinite_loop(lib):
+    out = torch.zeros(8)
+    loop = r"loop at tests/metal_emu/kernels/selftest\.metal:\d+"
+    with pytest.raises(EmulatorError, match=r"kernel spin_forever: watchdog: step budget of "
+                       r"100000 exceeded after 100001 steps.*" + loop + r".*thread \(0,0,0\)"):
+        lib.run("spin_forever", 1, 8, [out], max_steps=100_000)
+    with pytest.raises(EmulatorError, match=r"kernel spin_forever: watchdog: time limit of "
+                       r"0\.2\d* s exceeded"):
+        lib.run("spin_forever", 2, 8, [out], timeout=0.2)
+
+
+@pytest.mark.parametrize("order", ORDERS)
+def test_watchdog_stops_a_spin_wait(lib, order):
+    flag = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(EmulatorError, match=r"kernel spin_wait: watchdog: step budget.*"
+                       r"thread \(0,0,0\)"):
+        lib.run("spin_wait", 1, 40, [flag], order=order, max_steps=20_000)
+
+
+def test_watchdog_lets_bounded_loops_finish(lib):
+    out = torch.zeros(40, 3, dtype=torch.int32)
+    lib.run("bounded_loops", 1, 40, [out], max_steps=10_000, timeout=30)
+    tid = torch.arange(40)
+    assert out[:, 0].tolist() == (tid + 3).tolist()
+    assert out[:, 1].tolist() == torch.maximum(2 * ((tid + 1) // 2), torch.tensor(2)).tolist()
+    assert out[:, 2].tolist() == [6 + (t).bit_length() for t in range(40)]
+    with pytest.raises(ValueError, match="max_steps must be a positive int"):
+        lib.run("bounded_loops", 1, 40, [out], max_steps=0)
+    with pytest.raises(ValueError, match="timeout must be >= 0"):
+        lib.run("bounded_loops", 1, 40, [out], timeout=-1)

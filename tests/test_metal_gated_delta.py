@@ -409,3 +409,25 @@ def test_random_shapes(emu, seed):
     check_forward(emu, p, order=order, seed=seed)
     check_backward(emu, p, grad_final=seed % 2 == 0, order=order, seed=seed,
                    budget=(128 << 20) if seed % 4 else 1)
+
+
+@pytest.mark.parametrize("max_threads", [64, 1024])
+def test_these_tests_catch_the_second_barrier_removed(emu, max_threads):
+    # Planted bug: the file's second threadgroup_barrier (gated_delta_bwd's "red is rewritten
+    # next step") is removed from a copy of the source. The forward kernel has no barrier.
+    # Without it a simdgroup that runs ahead through its next simd_sum overwrites its row of
+    # `red` while other simdgroups still add up the current step's rows.
+    from pathlib import Path
+
+    from tests.metal_emu import REPO, load_source
+
+    barrier = "threadgroup_barrier(mem_flags::mem_threadgroup);"
+    text = (Path(REPO) / KERNELS).read_text()
+    second = text.index(barrier, text.index(barrier) + len(barrier))
+    assert text.rfind("kernel void", 0, second) == text.index("kernel void gated_delta_bwd(")
+    lib = load_source(text[:second] + text[second + len(barrier):], "gated_delta_no_barrier_2")
+    p = Problem(B=1, T=6, H=1, HV=1, K=10, V=5, chunk=4, initial_state=True)
+    for order in ["forward", "reverse", "shuffle"]:
+        check_backward(emu, p, order=order, max_threads=max_threads)  # the real kernel passes
+        with pytest.raises((AssertionError, EmulatorError)):
+            check_backward((lib, emu[1]), p, order=order, max_threads=max_threads)

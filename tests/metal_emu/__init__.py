@@ -31,6 +31,8 @@ CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w", "-fno-strict-aliasing
 if sys.platform == "darwin":  # macOS declares the (deprecated) ucontext routines only then
     CXXFLAGS += ["-D_XOPEN_SOURCE=700", "-D_DARWIN_C_SOURCE"]
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}
+# Watchdog: a launch that runs longer than this (seconds) is stopped with an EmulatorError.
+DEFAULT_TIMEOUT = float(os.environ.get("RLX_EMU_TIMEOUT", "120"))
 MAX_BUFFERS = 31
 
 _lock = threading.Lock()
@@ -57,6 +59,8 @@ class _LaunchDesc(ctypes.Structure):
         ("threadgroup_memory_bytes", ctypes.POINTER(ctypes.c_uint64)),
         ("order", ctypes.c_int32),
         ("seed", ctypes.c_uint64),
+        ("timeout_s", ctypes.c_double),
+        ("max_steps", ctypes.c_uint64),
     ]
 
 
@@ -143,18 +147,26 @@ class MetalLibrary:
         return sorted(self.entries)
 
     def run(self, kernel, threadgroups, threads, buffers, threadgroup_memory=(),
-            order="forward", seed=0):
+            order="forward", seed=0, timeout=None, max_steps=None):
         """Dispatches `kernel` over threadgroups x threads (like dispatchThreadgroups).
 
         buffers: {slot: tensor | bytes | ctypes object} or a list (slot = position, None = unbound).
         threadgroup_memory: byte size of each [[threadgroup(i)]] allocation.
-        order: "forward" | "reverse" | "shuffle" (seeded) -- the order in which runnable threads
-        (and threadgroups) are resumed between synchronisation points.
+        order: "forward" | "reverse" | "shuffle" (seeded) -- the order in which simdgroups, their
+        lanes, and threadgroups are resumed between synchronisation points.
+        timeout: wall-clock seconds before the watchdog stops the launch (default
+        RLX_EMU_TIMEOUT or 120; 0 = none). max_steps: a deterministic budget of loop
+        iterations plus synchronisations over the whole launch (default: none).
         """
         if kernel not in self.entries:
             raise KeyError(f"{self.path} has no kernel {kernel!r}; it has {self.kernels}")
         if order not in ORDERS:
             raise ValueError(f"order must be one of {sorted(ORDERS)}, got {order!r}")
+        timeout = DEFAULT_TIMEOUT if timeout is None else float(timeout)
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be >= 0 seconds, got {timeout}")
+        if max_steps is not None and (not isinstance(max_steps, int) or max_steps < 1):
+            raise ValueError(f"max_steps must be a positive int or None, got {max_steps!r}")
         tg, th = _dim3(threadgroups, "threadgroups"), _dim3(threads, "threads")
         if 0 in tg:
             raise EmulatorError(f"{kernel}: empty grid {tg}; host code must not dispatch it")
@@ -180,6 +192,7 @@ class MetalLibrary:
             ctypes.cast(ptrs, ctypes.POINTER(ctypes.c_void_p)),
             ctypes.cast(sizes, ctypes.POINTER(ctypes.c_uint64)), len(tgm),
             ctypes.cast(tgm_arr, ctypes.POINTER(ctypes.c_uint64)), ORDERS[order], seed,
+            timeout, max_steps or 0,
         )
         err = ctypes.create_string_buffer(4096)
         rc = self._launch(kernel.encode(), ctypes.byref(desc), err, len(err))
@@ -187,7 +200,7 @@ class MetalLibrary:
         if rc != 0:
             raise EmulatorError(err.value.decode(errors="replace"))
 
-    def run_plan(self, plan, buffers, order="forward", seed=0):
+    def run_plan(self, plan, buffers, order="forward", seed=0, timeout=None, max_steps=None):
         """Runs a Plan; its params bytes are bound at plan.params_index."""
         slots = dict(buffers) if isinstance(buffers, dict) else dict(enumerate(buffers))
         if plan.params_index >= 0:
@@ -195,7 +208,7 @@ class MetalLibrary:
                 raise ValueError(f"buffer slot {plan.params_index} is the plan's params slot")
             slots[plan.params_index] = plan.params
         self.run(plan.kernel, plan.threadgroups, plan.threads, slots, plan.threadgroup_memory,
-                 order=order, seed=seed)
+                 order=order, seed=seed, timeout=timeout, max_steps=max_steps)
 
 
 def _dim3(v, what):

@@ -10,6 +10,8 @@ barrier sites point at the .metal file):
 - `1.5h` half literals become `metal::half(1.5f)`.
 - Explicit instantiations `template [[host_name("name")]] kernel void f<T>(...);` are removed
   and become launchable entries named `name`.
+- Every `for` / `while` / `do-while` condition first calls `metal_emu::tick()` (the watchdog
+  counts loop iterations, so a runaway loop stops with an error instead of hanging).
 """
 
 import re
@@ -224,6 +226,7 @@ def translate(src, path="kernel.metal"):
 
     code = _ATTR.sub("", code)
     code = translate_address_spaces(code, path)
+    code = instrument_loops(code)
     code = re.sub(r"\b(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[hH]\b",
                   lambda m: f"metal::half({m.group(1)}{m.group(2) or ''}f)", code)
     return code, entries
@@ -256,6 +259,49 @@ def translate_address_spaces(code, path):
             "parameters ([[threadgroup(i)]]), not declared in a function body"
         )
     return code
+
+
+_LOOP = re.compile(r"\b(for|while)\s*\(")
+
+
+def _split_semicolons(text):
+    """Splits a for-header at its top-level semicolons (only brackets nest; `<` is a compare)."""
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        if ch in "([{":
+            depth += 1
+        elif ch in ")]}":
+            depth -= 1
+        elif ch == ";" and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    parts.append(text[start:])
+    return parts
+
+
+def instrument_loops(code):
+    """Puts a watchdog tick in front of every loop condition, on the same line."""
+    out, last = [], 0
+    for m in _LOOP.finditer(code):
+        if m.start() < last:  # inside a header already rewritten
+            continue
+        open_paren = m.end() - 1
+        close = _matching(code, open_paren, "(", ")")
+        inner = code[open_paren + 1 : close - 1]
+        if m.group(1) == "while":
+            header = f"metal_emu::tick() && ({inner})"
+        else:
+            parts = _split_semicolons(inner)
+            if len(parts) != 3:  # range-based for over a fixed array: bounded, left alone
+                continue
+            cond = parts[1].strip()
+            parts[1] = f" metal_emu::tick() && ({cond})" if cond else " metal_emu::tick()"
+            header = ";".join(parts)
+        out.append(code[last : open_paren + 1])
+        out.append(header)
+        last = close - 1
+    out.append(code[last:])
+    return "".join(out)
 
 
 def generate(src, path="kernel.metal"):

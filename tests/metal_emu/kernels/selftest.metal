@@ -182,3 +182,90 @@ kernel void uses_tg_memory(device float* out [[buffer(0)]],
   threadgroup_barrier(mem_flags::mem_threadgroup);
   out[tid] = scratch[tid];
 }
+
+// Sums each row of x (rows x threads) through one simd_sum per simdgroup whose results meet in
+// threadgroup memory; lane 0 of every simdgroup writes its view of the row total to
+// out[row * simdgroups + sg]. With kSecondBarrier false (planted bug), a simdgroup that runs
+// ahead overwrites partial[] with the next row's sum while others still read the current one.
+template <bool kSecondBarrier>
+kernel void simd_row_sums(device const float* x [[buffer(0)]],
+                          device float* out [[buffer(1)]],
+                          constant uint& rows [[buffer(2)]],
+                          threadgroup float* partial [[threadgroup(0)]],
+                          uint tid [[thread_index_in_threadgroup]],
+                          uint n [[threads_per_threadgroup]],
+                          uint sg [[simdgroup_index_in_threadgroup]],
+                          uint nsg [[simdgroups_per_threadgroup]],
+                          uint lane [[thread_index_in_simdgroup]]) {
+  for (uint r = 0; r < rows; ++r) {
+    const float s = simd_sum(x[r * n + tid]);
+    if (lane == 0) partial[sg] = s;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    float total = 0.0f;
+    for (uint m = 0; m < nsg; ++m) total += partial[m];
+    if (lane == 0) out[r * nsg + sg] = total;
+    if (kSecondBarrier) threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+}
+template [[host_name("simd_row_sums")]] kernel void simd_row_sums<true>(
+    device const float*, device float*, constant uint&, threadgroup float*, uint, uint, uint,
+    uint, uint);
+template [[host_name("simd_row_sums_missing_barrier")]] kernel void simd_row_sums<false>(
+    device const float*, device float*, constant uint&, threadgroup float*, uint, uint, uint,
+    uint, uint);
+
+// Which thread ran when: a ticket before and after one simd_sum. A simdgroup's collective
+// waits only for its own lanes, so (in forward order) simdgroup 0 takes both tickets before
+// simdgroup 1 takes its first.
+kernel void simd_tickets(device atomic_uint* counter [[buffer(0)]],
+                         device uint* tickets [[buffer(1)]],
+                         uint tid [[thread_index_in_threadgroup]]) {
+  tickets[2 * tid] = atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed);
+  (void)simd_sum(1u);
+  tickets[2 * tid + 1] = atomic_fetch_add_explicit(counter, 1u, memory_order_relaxed);
+}
+
+// Planted bug: i only takes even values, so `i != 7` never ends the loop (no barrier, no
+// simd call, no memory access inside it).
+kernel void spin_forever(device float* out [[buffer(0)]],
+                         uint tid [[thread_index_in_threadgroup]]) {
+  float acc = 0.0f;
+  for (uint i = 0; i != 7; i += 2) acc += 1.0f;
+  out[tid] = acc;
+}
+
+// Planted bug: thread 0 spin-waits on a flag that thread 1 only sets after a barrier thread
+// 0 never reaches (a GPU hang; a threadgroup has no forward-progress guarantee).
+kernel void spin_wait(device atomic_uint* flag [[buffer(0)]],
+                      uint tid [[thread_index_in_threadgroup]]) {
+  if (tid == 0) {
+    while (atomic_load_explicit(flag, memory_order_relaxed) == 0u) {
+    }
+    return;
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  atomic_store_explicit(flag, 1u, memory_order_relaxed);
+}
+
+// Loops inside a constexpr helper evaluated at compile time must still compile (the watchdog's
+// tick is a no-op in constant evaluation); bounded loops of every kind run normally.
+constexpr uint ceil_log2(uint n) {
+  uint r = 0;
+  while ((1u << r) < n) ++r;
+  return r;
+}
+constant constexpr uint kLog2Of40 = ceil_log2(40);
+
+kernel void bounded_loops(device uint* out [[buffer(0)]],
+                          uint tid [[thread_index_in_threadgroup]]) {
+  uint a = 0, b = 0;
+  for (;;) {
+    if (++a == tid + 3) break;
+  }
+  do {
+    b += 2;
+  } while (b < tid);
+  out[3 * tid] = a;
+  out[3 * tid + 1] = b;
+  out[3 * tid + 2] = kLog2Of40 + ceil_log2(tid + 1);
+}

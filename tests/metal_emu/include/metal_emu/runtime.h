@@ -1,9 +1,12 @@
 // The emulator's scheduler: runs every thread of a threadgroup as a fiber (ucontext) on one
 // OS thread. A fiber runs until it reaches a synchronisation point (threadgroup_barrier,
-// simdgroup_barrier or a simd_* collective) or returns; when every live fiber is blocked the
-// scheduler resolves the pending simdgroup collectives, then the threadgroup barrier, and
-// reports any divergence. The order in which runnable fibers (and threadgroups) are resumed is
-// forward, reverse or shuffled, so a missing barrier changes the result.
+// simdgroup_barrier or a simd_* collective) or returns. The scheduler advances one simdgroup
+// at a time: a simd_* collective completes as soon as the live lanes of *its* simdgroup have
+// arrived, so a simdgroup can run ahead of the others up to the next threadgroup barrier,
+// which completes only when every live thread of the threadgroup waits at it. Which simdgroup
+// (and which lane inside it) runs next is forward, reverse or shuffled, so a missing barrier
+// changes the result. A watchdog (loop back-edges and synchronisation points count as steps)
+// turns a runaway kernel into an error instead of a hang.
 #pragma once
 
 #include <ucontext.h>
@@ -11,6 +14,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +23,7 @@
 #include <random>
 #include <source_location>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace metal_emu {
@@ -68,6 +73,8 @@ struct LaunchDesc {
   const uint64_t* threadgroup_memory_bytes;
   int32_t order;
   uint64_t seed;
+  double timeout_s;    // wall-clock limit of the launch; <= 0: none
+  uint64_t max_steps;  // limit on loop iterations + synchronisations; 0: none
 };
 
 struct Runtime {
@@ -85,6 +92,9 @@ struct Runtime {
   std::vector<std::array<unsigned char, kSlotBytes>> simd_in, simd_snapshot;
   std::vector<uint32_t> simd_mask;  // active lanes of each simdgroup at its last collective
   std::mt19937_64 rng;
+  // watchdog
+  uint64_t steps = 0, next_check = 0;
+  std::chrono::steady_clock::time_point start;
 
   ~Runtime() {
     for (auto& f : fibers)
@@ -125,8 +135,44 @@ inline void set_error(const std::string& msg) {
   std::abort();  // unreachable: a failed fiber is never resumed
 }
 
+// ---- watchdog ---------------------------------------------------------------------------------
+
+constexpr uint64_t kClockEverySteps = 4096;  // the clock is read once per this many steps
+
+[[noreturn]] inline void runaway(const Runtime& rt, const char* why, const Site& where) {
+  fail(std::string("watchdog: ") + why + " after " + std::to_string(rt.steps) +
+       " steps (loop iterations and synchronisations) without finishing; an infinite loop? "
+       "Last step: " + where.str());
+}
+
+inline void check_watchdog(Runtime& rt, const Site& where) {
+  const LaunchDesc& d = *rt.launch;
+  if (d.max_steps != 0 && rt.steps > d.max_steps)
+    runaway(rt, ("step budget of " + std::to_string(d.max_steps) + " exceeded").c_str(), where);
+  if (d.timeout_s > 0) {
+    const std::chrono::duration<double> spent = std::chrono::steady_clock::now() - rt.start;
+    if (spent.count() > d.timeout_s)
+      runaway(rt, ("time limit of " + std::to_string(d.timeout_s) + " s exceeded").c_str(),
+              where);
+  }
+  rt.next_check = rt.steps + kClockEverySteps;
+  if (d.max_steps != 0) rt.next_check = std::min(rt.next_check, d.max_steps + 1);
+}
+
+// One step of the running fiber; translate.py puts a call in every loop condition.
+constexpr bool tick(std::source_location l = std::source_location::current()) {
+  if (std::is_constant_evaluated()) return true;
+  Runtime& rt = *g_rt;
+  if (++rt.steps >= rt.next_check && rt.current >= 0)
+    check_watchdog(rt, Site{"loop", l.file_name(), unsigned(l.line()), unsigned(l.column())});
+  return true;
+}
+
+// ---- scheduler --------------------------------------------------------------------------------
+
 inline void block(State s, const Site& site) {
   Runtime& rt = *g_rt;
+  if (++rt.steps >= rt.next_check) check_watchdog(rt, site);
   Fiber& f = rt.fibers[rt.current];
   f.state = s;
   f.site = site;
@@ -140,9 +186,9 @@ inline void fiber_main() {
   // returning switches to uc_link (the scheduler)
 }
 
-inline std::vector<uint32_t> order_of(Runtime& rt, uint32_t n) {
-  std::vector<uint32_t> idx(n);
-  std::iota(idx.begin(), idx.end(), 0u);
+inline std::vector<uint32_t> order_of(Runtime& rt, uint32_t lo, uint32_t hi) {
+  std::vector<uint32_t> idx(hi - lo);
+  std::iota(idx.begin(), idx.end(), lo);
   if (rt.launch->order == kReverse) std::reverse(idx.begin(), idx.end());
   if (rt.launch->order == kShuffle) std::shuffle(idx.begin(), idx.end(), rt.rng);
   return idx;
@@ -158,45 +204,71 @@ inline std::string lanes_at(const Runtime& rt, uint32_t lo, uint32_t hi, State s
   return out;
 }
 
-// Resolves simdgroup collectives whose live lanes all arrived; returns whether any did.
-inline bool resolve_simdgroups(Runtime& rt) {
-  bool progressed = false;
-  for (uint32_t lo = 0; lo < rt.n_threads; lo += kSimdWidth) {
-    const uint32_t hi = std::min(rt.n_threads, lo + kSimdWidth);
-    int first_simd = -1, at_barrier = -1;
-    uint32_t live = 0;
-    for (uint32_t t = lo; t < hi; ++t) {
-      const State s = rt.fibers[t].state;
-      if (s == State::Done) continue;
-      live |= 1u << (t - lo);
-      if (s == State::Simd && first_simd < 0) first_simd = int(t);
-      if (s == State::Barrier && at_barrier < 0) at_barrier = int(t);
-    }
-    if (first_simd < 0) continue;
-    const Site& site = rt.fibers[first_simd].site;
-    if (at_barrier >= 0) {
-      set_error("simdgroup divergence: threads [" + lanes_at(rt, lo, hi, State::Simd) +
-                "] wait at " + site.str() + " while threads [" +
-                lanes_at(rt, lo, hi, State::Barrier) + "] wait at " +
-                rt.fibers[at_barrier].site.str());
-      return false;
-    }
-    for (uint32_t t = lo; t < hi; ++t) {
-      if (rt.fibers[t].state == State::Simd && !rt.fibers[t].site.same(site)) {
-        set_error("simdgroup divergence: thread " + std::to_string(first_simd) + " waits at " +
-                  site.str() + " but thread " + std::to_string(t) + " at " +
-                  rt.fibers[t].site.str());
-        return false;
-      }
-    }
-    for (uint32_t t = lo; t < hi; ++t) {
-      rt.simd_snapshot[t] = rt.simd_in[t];
-      if (rt.fibers[t].state == State::Simd) rt.fibers[t].state = State::Runnable;
-    }
-    rt.simd_mask[lo / kSimdWidth] = live;
-    progressed = true;
+inline uint32_t n_simdgroups(const Runtime& rt) { return (rt.n_threads + kSimdWidth - 1) / kSimdWidth; }
+
+inline bool has_runnable_lane(const Runtime& rt, uint32_t sg) {
+  const uint32_t hi = std::min(rt.n_threads, (sg + 1) * kSimdWidth);
+  for (uint32_t t = sg * kSimdWidth; t < hi; ++t)
+    if (rt.fibers[t].state == State::Runnable) return true;
+  return false;
+}
+
+// The simdgroup to advance next, -1 when none has a runnable lane. Forward and reverse run
+// the lowest / highest simdgroup as far as it goes (up to a threadgroup barrier or its end)
+// before the next one starts; shuffle picks at random after every collective.
+inline int pick_simdgroup(Runtime& rt) {
+  std::vector<uint32_t> ready;
+  for (uint32_t sg = 0; sg < n_simdgroups(rt); ++sg)
+    if (has_runnable_lane(rt, sg)) ready.push_back(sg);
+  if (ready.empty()) return -1;
+  if (rt.launch->order == kForward) return int(ready.front());
+  if (rt.launch->order == kReverse) return int(ready.back());
+  return int(ready[std::uniform_int_distribution<size_t>(0, ready.size() - 1)(rt.rng)]);
+}
+
+// Runs every runnable lane of simdgroup `sg` (in the launch order) until it blocks or returns.
+inline void run_simdgroup(Runtime& rt, uint32_t sg) {
+  const uint32_t lo = sg * kSimdWidth, hi = std::min(rt.n_threads, lo + kSimdWidth);
+  for (uint32_t t : order_of(rt, lo, hi)) {
+    if (rt.fibers[t].state != State::Runnable) continue;
+    rt.current = int(t);
+    swapcontext(&rt.sched_ctx, &rt.fibers[t].ctx);
+    rt.current = -1;
+    if (rt.failed) return;
   }
-  return progressed;
+}
+
+// No lane of simdgroup `sg` is runnable: if its live lanes all wait at the same collective,
+// complete it (each lane then sees every live lane's value and the mask of live lanes).
+// Lanes at a collective while others wait at a threadgroup barrier can never meet: divergence.
+inline void settle_simdgroup(Runtime& rt, uint32_t sg) {
+  const uint32_t lo = sg * kSimdWidth, hi = std::min(rt.n_threads, lo + kSimdWidth);
+  int first_simd = -1, at_barrier = -1;
+  uint32_t live = 0;
+  for (uint32_t t = lo; t < hi; ++t) {
+    const State s = rt.fibers[t].state;
+    if (s == State::Done) continue;
+    live |= 1u << (t - lo);
+    if (s == State::Simd && first_simd < 0) first_simd = int(t);
+    if (s == State::Barrier && at_barrier < 0) at_barrier = int(t);
+  }
+  if (first_simd < 0) return;
+  const Site& site = rt.fibers[first_simd].site;
+  if (at_barrier >= 0)
+    return set_error("simdgroup divergence: threads [" + lanes_at(rt, lo, hi, State::Simd) +
+                     "] wait at " + site.str() + " while threads [" +
+                     lanes_at(rt, lo, hi, State::Barrier) + "] wait at " +
+                     rt.fibers[at_barrier].site.str());
+  for (uint32_t t = lo; t < hi; ++t)
+    if (rt.fibers[t].state == State::Simd && !rt.fibers[t].site.same(site))
+      return set_error("simdgroup divergence: thread " + std::to_string(first_simd) +
+                       " waits at " + site.str() + " but thread " + std::to_string(t) + " at " +
+                       rt.fibers[t].site.str());
+  for (uint32_t t = lo; t < hi; ++t) {
+    rt.simd_snapshot[t] = rt.simd_in[t];
+    if (rt.fibers[t].state == State::Simd) rt.fibers[t].state = State::Runnable;
+  }
+  rt.simd_mask[sg] = live;
 }
 
 // Every live thread is at a threadgroup barrier: check they are all at the same one.
@@ -235,19 +307,18 @@ inline bool run_threadgroup(Runtime& rt) {
   }
   for (auto& m : rt.tg_memory) std::memset(m.data(), 0xff, m.size());  // NaN / -1 poison
   for (;;) {
-    for (uint32_t t : order_of(rt, rt.n_threads)) {
-      if (rt.fibers[t].state != State::Runnable) continue;
-      rt.current = int(t);
-      swapcontext(&rt.sched_ctx, &rt.fibers[t].ctx);
-      rt.current = -1;
+    const int sg = pick_simdgroup(rt);
+    if (sg >= 0) {
+      run_simdgroup(rt, uint32_t(sg));
+      if (!rt.failed) settle_simdgroup(rt, uint32_t(sg));
       if (rt.failed) return false;
+      continue;
     }
+    // Nothing runnable, and every simdgroup was settled after it last ran: each live thread
+    // waits at a threadgroup barrier.
     bool all_done = true;
     for (uint32_t t = 0; t < rt.n_threads; ++t) all_done &= rt.fibers[t].state == State::Done;
     if (all_done) return true;
-    const bool progressed = resolve_simdgroups(rt);
-    if (rt.failed) return false;
-    if (progressed) continue;
     resolve_barrier(rt);
     if (rt.failed) return false;
   }
@@ -260,6 +331,8 @@ inline int launch(const char* name, KernelBody body, const LaunchDesc& d, char* 
   rt.body = body;
   rt.kernel_name = name;
   rt.rng.seed(d.seed);
+  rt.start = std::chrono::steady_clock::now();
+  rt.next_check = d.max_steps != 0 ? std::min(kClockEverySteps, d.max_steps + 1) : kClockEverySteps;
   Runtime* saved = g_rt;
   g_rt = &rt;
   auto report = [&](const std::string& msg) {
