@@ -40,7 +40,8 @@ struct AccType<double> {
   using type = double;
 };
 
-constexpr int64_t kLutBlockBytes = 256 * 1024;  // table block per work item: stays in L2
+constexpr int64_t kLutBlockBytes = 256 * 1024;       // table block per work item: stays in L2
+constexpr int64_t kLutBlockBytesOneRow = 16 * 1024;  // one-row tables: stay in L1
 constexpr int64_t kDenseTileBytes = 4 << 20;    // dequantized weight tile (dense path)
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -48,7 +49,9 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
 int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
   const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
-  return std::clamp<int64_t>(kLutBlockBytes / per_group, 1, std::max<int64_t>(d.groups, 1));
+  // One batch row reads 4 bytes of each 64-byte table line: keep its table in L1 instead.
+  const int64_t bytes = bt == 1 ? kLutBlockBytesOneRow : kLutBlockBytes;
+  return std::clamp<int64_t>(bytes / per_group, 1, std::max<int64_t>(d.groups, 1));
 }
 
 // xT[c][b] = x[b0 + b, c0 + c] for b < nb, zero padding up to BT (one tile of batch rows).
@@ -102,7 +105,25 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
         using V = typename Vec<acc_t>::type;
         constexpr int W = Vec<acc_t>::width, NV = BT / W;
         static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
-        for (int64_t c = 0; c < E; ++c) {
+        // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
+        constexpr int CB = NV >= 8 ? 1 : 8 / NV;
+        int64_t c = 0;
+        for (; c + CB <= E; c += CB) {
+          const acc_t* entry = cb + (m * E + c) * D;
+          V a[CB][NV] = {};
+          for (int64_t t = 0; t < D; ++t) {
+            const acc_t* xr = xT + (g * D + t) * BT;
+            V xv[NV];
+            for (int v = 0; v < NV; ++v) xv[v] = load_vec<V>(xr + v * W);
+            for (int q = 0; q < CB; ++q) {
+              const acc_t w = entry[q * D + t];
+              for (int v = 0; v < NV; ++v) a[q][v] += w * xv[v];
+            }
+          }
+          for (int q = 0; q < CB; ++q)
+            for (int v = 0; v < NV; ++v) store_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
+        }
+        for (; c < E; ++c) {
           const acc_t* entry = cb + (m * E + c) * D;
           V a[NV] = {};
           for (int64_t t = 0; t < D; ++t) {
@@ -133,7 +154,17 @@ void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
         a[q] = acc[j + q - j0];
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
-      for (int64_t gm = 0; gm < steps; ++gm) {
+      int64_t gm = 0;
+      // Eight index bytes per load, unpacked with shifts: one load per table lookup, not two.
+      for (; gm + 8 <= steps; gm += 8) {
+        uint64_t packed[JT];
+        for (int q = 0; q < JT; ++q) std::memcpy(&packed[q], ip[q] + gm, 8);
+        for (int k = 0; k < 8; ++k) {
+          const acc_t* Lgm = L + (gm + k) * E;
+          for (int q = 0; q < JT; ++q) a[q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
+        }
+      }
+      for (; gm < steps; ++gm) {
         const acc_t* Lgm = L + gm * E;
         for (int q = 0; q < JT; ++q) a[q] += Lgm[ip[q][gm]];
       }
@@ -236,7 +267,7 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
 template <typename F>
 void with_tile_shape(int64_t B, F&& f) {
   if (B <= 2) {
-    f.template operator()<1, 8>();
+    f.template operator()<1, 4>();
   } else if (B <= 8) {
     f.template operator()<8, 4>();
   } else if (B <= 24) {
