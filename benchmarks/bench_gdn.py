@@ -78,7 +78,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="only the small shape")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: "
+                        "torch's own choice)")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     hf = load_hf()
     cases = [("fwd", (1, 2048, 4, 64, 64), False, args.repeats),

@@ -39,4 +39,8 @@ TORCH_LIBRARY(rlx, m) {
       " int head_k_dim, int head_v_dim, int num_states, bool gate_per_channel,"
       " bool has_initial_state) -> int[]");
   m.def("gated_delta_checkpoint_slots(int num_seqs, int total_tokens, int chunk_size) -> int");
+  // fla's l2norm over the last dim, y = x / sqrt(sum(x^2) + eps); returns (y, rstd) with rstd
+  // [x.shape[:-1]] in the accumulation dtype. The backward takes x and rstd, returns dx.
+  m.def("gated_delta_l2norm_fwd(Tensor x, float eps) -> (Tensor, Tensor)");
+  m.def("gated_delta_l2norm_bwd(Tensor grad_y, Tensor x, Tensor rstd) -> Tensor");
 }

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import rlx_torch
 from rlx_torch.ops import reference
-from rlx_torch.ops.gated_delta import _bwd_layout, unpack_gradients
+from rlx_torch.ops.gated_delta import _bwd_layout, l2norm, unpack_gradients
 
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Relative RMS error thresholds (fla's metric), per dtype, for outputs and gradients.
@@ -295,6 +295,23 @@ def test_opcheck_ops():
         o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
         bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4)
         torch.library.opcheck(torch.ops.rlx.gated_delta_bwd.default, bwd_args)
+
+
+def test_l2norm_op_matches_formula_gradcheck_and_opcheck():
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)):
+        x = torch.randn(3, 5, 7).to(dtype)
+        x[0, 0] = 0  # eps keeps a zero row finite
+        xf = x.double()
+        expected = xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)
+        torch.testing.assert_close(l2norm(x).double(), expected, atol=tol, rtol=tol)
+    x = torch.randn(4, 3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(l2norm, (x,))
+    y, rstd = torch.ops.rlx.gated_delta_l2norm_fwd(x.detach(), 1e-6)
+    torch.library.opcheck(torch.ops.rlx.gated_delta_l2norm_fwd.default, (x.detach(), 1e-6))
+    torch.library.opcheck(torch.ops.rlx.gated_delta_l2norm_bwd.default,
+                          (torch.randn_like(y), x.detach(), rstd))
+    with pytest.raises(RuntimeError, match="x must be float16"):
+        l2norm(torch.ones(3, 4, dtype=torch.long))
 
 
 def test_torch_compile_fullgraph():

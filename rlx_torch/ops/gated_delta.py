@@ -170,9 +170,39 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
                 None, None)
 
 
+@torch.library.register_fake("rlx::gated_delta_l2norm_fwd")
+def _l2norm_fwd_fake(x, eps):
+    return x.new_empty(x.shape), x.new_empty(x.shape[:-1], dtype=_acc_dtype(x.dtype))
+
+
+@torch.library.register_fake("rlx::gated_delta_l2norm_bwd")
+def _l2norm_bwd_fake(grad_y, x, rstd):
+    return x.new_empty(x.shape)
+
+
+class L2NormFunction(torch.autograd.Function):
+    """Native l2norm (``rlx::gated_delta_l2norm_fwd/bwd``, CPU)."""
+
+    @staticmethod
+    def forward(x, eps):
+        return torch.ops.rlx.gated_delta_l2norm_fwd(x, eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[0], output[1])
+        ctx.mark_non_differentiable(output[1])
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_rstd):
+        x, rstd = ctx.saved_tensors
+        return torch.ops.rlx.gated_delta_l2norm_bwd(grad_y.contiguous(), x, rstd), None
+
+
 def l2norm(x, eps=L2NORM_EPS):
     """fla's l2norm: ``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (float64 for
-    float64 input) and returned in x's dtype."""
+    float64 input) and returned in x's dtype. Native on CPU (one op each way)."""
+    if x.device.type == "cpu":
+        return L2NormFunction.apply(x, float(eps))[0]
     xf = x.to(_acc_dtype(x.dtype))
     return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + eps)).to(x.dtype)
 

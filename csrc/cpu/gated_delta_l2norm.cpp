@@ -1,0 +1,110 @@
+// fla's l2norm over the last dim, y = x / sqrt(sum(x^2) + eps), as one native op per
+// direction: q and k are normalized with 2 parallel regions instead of a dozen small ops.
+// Accumulates in float32 (float64 for float64 input); y keeps x's dtype.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+namespace rlx {
+namespace {
+
+void check_x(const char* op, const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1, op,
+              ": x must have at least one dim with a non-empty last dim, got ", x.sizes());
+  const auto t = x.scalar_type();
+  TORCH_CHECK(t == at::kHalf || t == at::kBFloat16 || t == at::kFloat || t == at::kDouble, op,
+              ": x must be float16, bfloat16, float32 or float64, got ", t);
+}
+
+at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// Rows per task: about a million elements. The op is memory-bound, so smaller inputs gain
+// less from a second thread than waking it costs.
+int64_t grain(int64_t D) { return std::max<int64_t>(1, (int64_t(1) << 20) / D); }
+
+std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double eps) {
+  check_x("rlx::gated_delta_l2norm_fwd", x_in);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  at::Tensor y = at::empty_like(x);
+  at::Tensor rstd =
+      at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc_of(x.scalar_type())));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_fwd", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    acc_t* rp = rstd.data_ptr<acc_t>();
+    at::parallel_for(0, rows, grain(D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* row = xp + i * D;
+        acc_t ss = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const acc_t v = static_cast<acc_t>(row[d]);
+          ss += v * v;
+        }
+        const acc_t r = acc_t(1) / std::sqrt(ss + static_cast<acc_t>(eps));
+        rp[i] = r;
+        for (int64_t d = 0; d < D; ++d) {
+          yp[i * D + d] = static_cast<scalar_t>(static_cast<acc_t>(row[d]) * r);
+        }
+      }
+    });
+  });
+  return {y, rstd};
+}
+
+// y = x r with r = (sum x^2 + eps)^-1/2:  dx = r (dy - x r^2 (x . dy)).
+at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
+                          const at::Tensor& rstd_in) {
+  const char* op = "rlx::gated_delta_l2norm_bwd";
+  check_x(op, x_in);
+  TORCH_CHECK(grad_in.sizes() == x_in.sizes() && grad_in.scalar_type() == x_in.scalar_type(),
+              op,
+              ": grad_y must have x's shape ", x_in.sizes(), " and dtype ", x_in.scalar_type(),
+              ", got ", grad_in.scalar_type(), " ", grad_in.sizes());
+  TORCH_CHECK(rstd_in.sizes() == x_in.sizes().slice(0, x_in.dim() - 1) &&
+                  rstd_in.scalar_type() == acc_of(x_in.scalar_type()),
+              op, ": rstd must be the ", acc_of(x_in.scalar_type()), " tensor of shape ",
+              x_in.sizes().slice(0, x_in.dim() - 1), " from gated_delta_l2norm_fwd, got ",
+              rstd_in.scalar_type(), " ", rstd_in.sizes());
+  const at::Tensor x = x_in.contiguous(), grad = grad_in.contiguous();
+  const at::Tensor rstd = rstd_in.contiguous();
+  const int64_t D = x.size(-1), rows = x.numel() / D;
+  at::Tensor dx = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_bwd", [&] {
+    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* gp = grad.data_ptr<scalar_t>();
+    const acc_t* rp = rstd.data_ptr<acc_t>();
+    scalar_t* dp = dx.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, grain(D), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const scalar_t* xr = xp + i * D;
+        const scalar_t* gr = gp + i * D;
+        acc_t xg = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          xg += static_cast<acc_t>(xr[d]) * static_cast<acc_t>(gr[d]);
+        }
+        const acc_t r = rp[i], c = r * r * xg;
+        for (int64_t d = 0; d < D; ++d) {
+          const acc_t dy = static_cast<acc_t>(gr[d]), xv = static_cast<acc_t>(xr[d]);
+          dp[i * D + d] = static_cast<scalar_t>(r * (dy - xv * c));
+        }
+      }
+    });
+  });
+  return dx;
+}
+
+}  // namespace
+}  // namespace rlx
+
+TORCH_LIBRARY_IMPL(rlx, CPU, m) {
+  m.impl("gated_delta_l2norm_fwd", &rlx::l2norm_fwd_cpu);
+  m.impl("gated_delta_l2norm_bwd", &rlx::l2norm_bwd_cpu);
+}
