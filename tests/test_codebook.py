@@ -254,3 +254,24 @@ def test_bad_backward_arguments():
         )
     with pytest.raises(ValueError, match="needs scales"):
         torch.ops.rlx.codebook_matmul_backward(torch.ones(3, 10), x, idx, cb, None, [True] * 4)
+
+
+def test_aqlm_layout_maps_onto_the_op():
+    # AQLM stores codes as int8 (>= 128 wrapped negative), codebooks as
+    # [M, 2**8, out_group=1, in_group=D] and scales as [N, 1, 1, 1] (docs/codebook.md).
+    gen = torch.Generator().manual_seed(0)
+    n, groups, m, d = 12, 5, 2, 8
+    codes_u8 = torch.randint(0, 256, (n, groups, m), generator=gen, dtype=torch.uint8)
+    codes = codes_u8.view(torch.int8)
+    assert (codes < 0).any()
+    codebooks = torch.randn(m, 256, 1, d, generator=gen)
+    scales = torch.rand(n, 1, 1, 1, generator=gen)
+    x = torch.randn(3, groups * d, generator=gen)
+    # AQLM's dequantization: codes % 2**nbits index each codebook, entries summed, rows scaled.
+    unwrapped = codes.long() % 256
+    weight = sum(codebooks[i, unwrapped[:, :, i], 0, :] for i in range(m)).reshape(n, -1)
+    want = x @ (weight * scales.reshape(n, 1)).T
+    out = rlx_torch.codebook_matmul(
+        x, codes.view(torch.uint8), codebooks[:, :, 0, :], scales.reshape(-1)
+    )
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
