@@ -327,3 +327,49 @@ def test_watchdog_lets_bounded_loops_finish(lib):
         lib.run("bounded_loops", 1, 40, [out], max_steps=0)
     with pytest.raises(ValueError, match="timeout must be >= 0"):
         lib.run("bounded_loops", 1, 40, [out], timeout=-1)
+
+
+# ---- vectors ---------------------------------------------------------------------------------
+
+
+def _vector_ops_reference(x):
+    v = x
+    w = v[:, [3, 2, 1, 0]].clone()  # v.wzyx
+    w[:, 0:2] = v[:, 2:3]  # w.xy = v.zz
+    w[:, 2:4] += v[:, 0:2]  # w.zw += v.xy
+    w[:, 0:2] *= 2  # w.yx *= 2
+    c = v[:, [2, 1, 0]]  # v.bgr
+    gt = v > 0
+    r1 = w.clone()
+    r1[:, 3] += c[:, 0] + c[:, 1] + x[:, 1]
+    r2 = v.clamp(-0.5, 0.5)
+    r2[:, 0:2] = v[:, :2] + (w[:, :2] - v[:, :2]) * 0.25
+    r2[:, 2] = (torch.where(gt, v, 0).sum(1) + 100.0 * gt.all(1)
+                + 1000.0 * (v[:, :3] < -1).any(1))
+    return torch.stack([r1, r2], 1)
+
+
+@pytest.mark.parametrize("kind", ["float", "half"])
+def test_swizzles_comparisons_and_vector_math(lib, kind):
+    x = torch.randn(64, 4)
+    x[0] = torch.tensor([0.5, 1.0, 2.0, 3.0])  # all(v > 0)
+    x[1, 0] = -3.0  # any(v.xyz < -1)
+    if kind == "half":
+        x = x.half().float()
+    out = torch.zeros(64, 2, 4)
+    lib.run(f"vector_ops_{kind}", 2, 32, [x, out], order="reverse")
+    tol = 0 if kind == "float" else 2e-2
+    torch.testing.assert_close(out, _vector_ops_reference(x), rtol=tol, atol=tol)
+    assert out[0, 1, 2] > 100 and out[1, 1, 2] > 500
+
+
+def test_swizzle_errors_are_compile_errors():
+    from tests.metal_emu import CompileError
+
+    with pytest.raises(CompileError, match="swizzle names a component this vector does not have"):
+        load_source("using namespace metal;\nkernel void k(device float2* x [[buffer(0)]]) {\n"
+                    "  x[0] = x[0].yz;\n}\n", "bad_swizzle")
+    with pytest.raises(CompileError, match="a swizzle that is written to repeats a component"):
+        load_source("using namespace metal;\nkernel void k(device float2* x [[buffer(0)]]) {\n"
+                    "  float2 v = x[0];\n  v.xx = float2(1.0f);\n  x[0] = v;\n}\n",
+                    "bad_swizzle_write")

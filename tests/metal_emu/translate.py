@@ -10,6 +10,8 @@ barrier sites point at the .metal file):
 - `1.5h` half literals become `metal::half(1.5f)`.
 - Explicit instantiations `template [[host_name("name")]] kernel void f<T>(...);` are removed
   and become launchable entries named `name`.
+- Vector swizzles of 2 to 4 components (`v.xy`, `v.zyx`, `p->rgba`) become
+  `.template swz<...>()` calls, or `swz_ref<...>()` where the swizzle is assigned to.
 - Every `for` / `while` / `do-while` condition first calls `metal_emu::tick()` (the watchdog
   counts loop iterations, so a runaway loop stops with an error instead of hanging).
 """
@@ -227,6 +229,7 @@ def translate(src, path="kernel.metal"):
     code = _ATTR.sub("", code)
     code = translate_address_spaces(code, path)
     code = instrument_loops(code)
+    code = translate_swizzles(code)
     code = re.sub(r"\b(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[hH]\b",
                   lambda m: f"metal::half({m.group(1)}{m.group(2) or ''}f)", code)
     return code, entries
@@ -259,6 +262,21 @@ def translate_address_spaces(code, path):
             "parameters ([[threadgroup(i)]]), not declared in a function body"
         )
     return code
+
+
+_SWIZZLE = re.compile(r"(\.|->)\s*([xyzw]{2,4}|[rgba]{2,4})\b(?!\s*\()(\s*(?:[-+*/]?=)(?!=))?")
+_COMPONENT = {c: i for i, c in enumerate("xyzw")} | {c: i for i, c in enumerate("rgba")}
+
+
+def translate_swizzles(code):
+    """`v.zyx` -> `v.template swz<2, 1, 0>()`; assigned-to swizzles get `swz_ref`."""
+
+    def repl(m):
+        idx = ", ".join(str(_COMPONENT[c]) for c in m.group(2))
+        fn = "swz_ref" if m.group(3) else "swz"
+        return f"{m.group(1)}template {fn}<{idx}>(){m.group(3) or ''}"
+
+    return _SWIZZLE.sub(repl, code)
 
 
 _LOOP = re.compile(r"\b(for|while)\s*\(")

@@ -269,3 +269,31 @@ kernel void bounded_loops(device uint* out [[buffer(0)]],
   out[3 * tid + 1] = b;
   out[3 * tid + 2] = kLog2Of40 + ceil_log2(tid + 1);
 }
+
+// Vector swizzles (read, write, compound assignment, through a pointer), component-wise
+// comparisons with all / any / select, and vector clamp / mix / fma. Eight floats per thread.
+template <typename T>
+kernel void vector_ops(device const float4* x [[buffer(0)]],
+                       device float4* out [[buffer(1)]],
+                       uint gid [[thread_position_in_grid]]) {
+  const vec<T, 4> v = vec<T, 4>(x[gid]);
+  vec<T, 4> w = v.wzyx;
+  w.xy = v.zz;
+  w.zw += v.xy;
+  w.yx *= T(2);
+  const vec<T, 3> c = v.bgr;
+  const bool4 gt = v > T(0);
+  const vec<T, 4> pos = select(vec<T, 4>(T(0)), v, gt);
+  float4 r1 = float4(w);
+  r1.w += float(c.x + c.y) + x[gid].xy.y;
+  float4 r2 = float4(clamp(v, T(-0.5), T(0.5)));
+  r2.xy = float2(mix(v.xy, w.xy, T(0.25)));
+  r2.z = float(pos.x + pos.y + pos.z + pos.w) + (all(gt) ? 100.0f : 0.0f) +
+         (any(v.xyz < T(-1)) ? 1000.0f : 0.0f);
+  out[2 * gid] = r1;
+  out[2 * gid + 1] = r2;
+}
+template [[host_name("vector_ops_float")]] kernel void vector_ops<float>(
+    device const float4*, device float4*, uint);
+template [[host_name("vector_ops_half")]] kernel void vector_ops<half>(
+    device const float4*, device float4*, uint);

@@ -172,6 +172,54 @@ struct vec : vec_storage<T, N> {
   }
   T& operator[](int i) { return (&this->x)[i]; }
   const T& operator[](int i) const { return (&this->x)[i]; }
+
+  // Swizzles: translate.py rewrites `v.zyx` to `v.template swz<2, 1, 0>()`, and a swizzle that
+  // is assigned to (`v.xy = w`, `v.wz += w`) to `v.template swz_ref<3, 2>() += w`.
+  template <int... I>
+  vec<T, int(sizeof...(I))> swz() const {
+    static_assert(((I < N) && ...), "swizzle names a component this vector does not have");
+    return vec<T, int(sizeof...(I))>((*this)[I]...);
+  }
+  template <int... I>
+  struct swizzle_ref {
+    static constexpr int M = int(sizeof...(I));
+    vec& v;
+    template <class F, class U>
+    swizzle_ref& apply(F f, const U& o) {
+      const vec<T, M> rhs(o);  // a vector of M components, or a scalar broadcast
+      const vec old = v;
+      int k = 0;
+      ((v[I] = T(f(old[I], rhs[k++]))), ...);
+      return *this;
+    }
+    template <class U>
+    swizzle_ref& operator=(const U& o) { return apply([](T, T b) { return b; }, o); }
+    template <class U>
+    swizzle_ref& operator+=(const U& o) { return apply([](T a, T b) { return a + b; }, o); }
+    template <class U>
+    swizzle_ref& operator-=(const U& o) { return apply([](T a, T b) { return a - b; }, o); }
+    template <class U>
+    swizzle_ref& operator*=(const U& o) { return apply([](T a, T b) { return a * b; }, o); }
+    template <class U>
+    swizzle_ref& operator/=(const U& o) { return apply([](T a, T b) { return a / b; }, o); }
+    operator vec<T, M>() const { return v.template swz<I...>(); }
+  };
+  template <int... I>
+  swizzle_ref<I...> swz_ref() {
+    static_assert(((I < N) && ...), "swizzle names a component this vector does not have");
+    static_assert(all_distinct<I...>(), "a swizzle that is written to repeats a component");
+    return swizzle_ref<I...>{*this};
+  }
+
+ private:
+  template <int... I>
+  static constexpr bool all_distinct() {
+    const int idx[] = {I...};
+    for (int a = 0; a < int(sizeof...(I)); ++a)
+      for (int b = a + 1; b < int(sizeof...(I)); ++b)
+        if (idx[a] == idx[b]) return false;
+    return true;
+  }
 };
 
 #define METAL_EMU_VEC_BINOP(op)                                                           \
@@ -340,7 +388,75 @@ inline bool isfinite(T x) { return std::isfinite(float(x)); }
   }
 METAL_EMU_VEC_BINARY(max)
 METAL_EMU_VEC_BINARY(min)
+METAL_EMU_VEC_BINARY(fmax)
+METAL_EMU_VEC_BINARY(fmin)
+METAL_EMU_VEC_BINARY(pow)
+METAL_EMU_VEC_BINARY(copysign)
 #undef METAL_EMU_VEC_BINARY
+
+// Component-wise comparisons give bool vectors; all / any / select take them.
+#define METAL_EMU_VEC_CMP(op)                                                             \
+  template <class T, int N>                                                               \
+  inline vec<bool, N> operator op(const vec<T, N>& a, const vec<T, N>& b) {               \
+    vec<bool, N> r;                                                                       \
+    for (int i = 0; i < N; ++i) r[i] = a[i] op b[i];                                      \
+    return r;                                                                             \
+  }                                                                                       \
+  template <class T, int N, Scalar S>                                                     \
+  inline vec<bool, N> operator op(const vec<T, N>& a, S s) {                              \
+    return a op vec<T, N>(s);                                                             \
+  }                                                                                       \
+  template <class T, int N, Scalar S>                                                     \
+  inline vec<bool, N> operator op(S s, const vec<T, N>& a) {                              \
+    return vec<T, N>(s) op a;                                                             \
+  }
+METAL_EMU_VEC_CMP(<)
+METAL_EMU_VEC_CMP(>)
+METAL_EMU_VEC_CMP(<=)
+METAL_EMU_VEC_CMP(>=)
+METAL_EMU_VEC_CMP(==)
+METAL_EMU_VEC_CMP(!=)
+#undef METAL_EMU_VEC_CMP
+template <int N>
+inline bool all(const vec<bool, N>& b) {
+  for (int i = 0; i < N; ++i)
+    if (!b[i]) return false;
+  return true;
+}
+template <int N>
+inline bool any(const vec<bool, N>& b) {
+  for (int i = 0; i < N; ++i)
+    if (b[i]) return true;
+  return false;
+}
+inline bool all(bool b) { return b; }
+inline bool any(bool b) { return b; }
+template <class T, int N>
+inline vec<T, N> select(const vec<T, N>& a, const vec<T, N>& b, const vec<bool, N>& c) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r[i] = c[i] ? b[i] : a[i];
+  return r;
+}
+template <class T, int N, class L>
+inline vec<T, N> clamp(const vec<T, N>& x, const L& lo, const L& hi) {  // L: vector or scalar
+  const vec<T, N> l(lo), h(hi);
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r[i] = clamp(x[i], l[i], h[i]);
+  return r;
+}
+template <class T, int N, class U>
+inline vec<T, N> mix(const vec<T, N>& a, const vec<T, N>& b, const U& t) {  // t: vector or scalar
+  const vec<T, N> tt(t);
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r[i] = mix(a[i], b[i], tt[i]);
+  return r;
+}
+template <class T, int N>
+inline vec<T, N> fma(const vec<T, N>& a, const vec<T, N>& b, const vec<T, N>& c) {
+  vec<T, N> r;
+  for (int i = 0; i < N; ++i) r[i] = fma(a[i], b[i], c[i]);
+  return r;
+}
 template <class T, int N>
 inline T dot(const vec<T, N>& a, const vec<T, N>& b) {
   float s = 0.0f;
