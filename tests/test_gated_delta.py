@@ -68,7 +68,7 @@ VARIANTS = {
     "per_head": dict(),
     "per_channel": dict(per_channel=True),
     "gva": dict(H=1, HV=3),
-    "k_ne_v": dict(K=5, V=12),
+    "k_ne_v": dict(K=5, V=41),  # V = 4 vectors + 1 vector + 1 tail column of float32
     "state": dict(state=True),
     "varlen": dict(B=1, cu_seqlens=[0, 20, 20, 65], state=True),
     "kda_gva_varlen": dict(B=1, H=2, HV=4, K=6, V=3, per_channel=True,

@@ -135,41 +135,77 @@ inline void step(const acc_t* src, acc_t* dst, int64_t K, int64_t nv, const acc_
 // The forward keeps its state block row-major ([K, nv], fla's layout) instead: a block of W
 // columns is updated with w and o accumulating down the rows in registers, so the step
 // needs no horizontal reductions and touches S twice (read, then read-modify-write).
-template <int64_t W, typename acc_t>
+// 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename acc_t>
+using Vec256 = typename VecOf<acc_t>::type;
+
+template <typename acc_t>
+inline Vec256<acc_t> load_vec(const acc_t* p) {
+  Vec256<acc_t> x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+// NV vectors (NV * 32 bytes of columns) per call, accumulators held in vector registers.
+template <int64_t NV, typename acc_t>
 inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                             const acc_t* __restrict a, const acc_t* __restrict kv,
                             const acc_t* __restrict qs, const acc_t* __restrict vv, acc_t b,
                             acc_t* __restrict o) {
-  acc_t w[W] = {};
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec w[NV] = {}, u[NV], out[NV] = {};
   for (int64_t r = 0; r < K; ++r) {
     const acc_t* s = S + r * ld;
     const acc_t f = a[r] * kv[r];
-    for (int64_t l = 0; l < W; ++l) w[l] += f * s[l];
+    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(s + n * L);
   }
-  acc_t u[W], out[W] = {};
-  for (int64_t l = 0; l < W; ++l) u[l] = b * (vv[l] - w[l]);
+  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - w[n]);
   for (int64_t r = 0; r < K; ++r) {
     acc_t* s = S + r * ld;
     const acc_t ar = a[r], kr = kv[r], qr = qs[r];
-    for (int64_t l = 0; l < W; ++l) {
-      const acc_t x = ar * s[l] + kr * u[l];
-      s[l] = x;
-      out[l] += qr * x;
+    for (int64_t n = 0; n < NV; ++n) {
+      const vec x = ar * load_vec(s + n * L) + kr * u[n];
+      std::memcpy(s + n * L, &x, sizeof(x));
+      out[n] += qr * x;
     }
   }
-  for (int64_t l = 0; l < W; ++l) o[l] = out[l];
+  std::memcpy(o, out, sizeof(out));
+}
+
+// Tail columns (fewer than one vector), one at a time.
+template <typename acc_t>
+inline void step_rows_column(acc_t* S, int64_t K, int64_t ld, const acc_t* a, const acc_t* kv,
+                             const acc_t* qs, acc_t vj, acc_t b, acc_t* o) {
+  acc_t w = 0, out = 0;
+  for (int64_t r = 0; r < K; ++r) w += a[r] * kv[r] * S[r * ld];
+  const acc_t u = b * (vj - w);
+  for (int64_t r = 0; r < K; ++r) {
+    const acc_t x = a[r] * S[r * ld] + kv[r] * u;
+    S[r * ld] = x;
+    out += qs[r] * x;
+  }
+  *o = out;
 }
 
 template <typename acc_t>
 inline void step_rows(acc_t* S, int64_t K, int64_t nv, const acc_t* a, const acc_t* kv,
                       const acc_t* qs, const acc_t* vv, acc_t b, acc_t* o) {
-  constexpr int64_t W = 128 / sizeof(acc_t);  // four 256-bit registers per accumulator
+  constexpr int64_t L = 32 / sizeof(acc_t);
   int64_t j = 0;
-  for (; j + W <= nv; j += W) step_rows_block<W>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
-  for (; j + W / 4 <= nv; j += W / 4) {
-    step_rows_block<W / 4>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
-  }
-  for (; j < nv; ++j) step_rows_block<1>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
+  for (; j + 4 * L <= nv; j += 4 * L) step_rows_block<4>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
+  for (; j + L <= nv; j += L) step_rows_block<1>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
+  for (; j < nv; ++j) step_rows_column(S + j, K, nv, a, kv, qs, vv[j], b, o + j);
 }
 
 template <typename in_t, typename acc_t>
