@@ -373,3 +373,46 @@ def test_swizzle_errors_are_compile_errors():
         load_source("using namespace metal;\nkernel void k(device float2* x [[buffer(0)]]) {\n"
                     "  float2 v = x[0];\n  v.xx = float2(1.0f);\n  x[0] = v;\n}\n",
                     "bad_swizzle_write")
+
+
+# ---- barrier mutants (tests/metal_emu/mutants.py) --------------------------------------------
+
+_TWO_BARRIERS = """#include <metal_stdlib>
+using namespace metal;
+// threadgroup_barrier(mem_flags::mem_threadgroup); in a comment is not a mutant
+kernel void flip(device const float* x [[buffer(0)]], device float* out [[buffer(1)]],
+                 threadgroup float* t [[threadgroup(0)]],
+                 uint tid [[thread_index_in_threadgroup]], uint n [[threads_per_threadgroup]]) {
+  t[tid] = x[tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  out[tid] = t[n - 1 - tid];
+  threadgroup_barrier(mem_flags::mem_threadgroup);  // not needed: nothing follows
+}
+"""
+
+_FLIP_TEST = """import torch
+from tests.metal_emu import load
+
+def test_flip():
+    x = torch.randn(64)
+    out = torch.empty(64)
+    load({path!r}).run("flip", 1, 64, [x, out], [256])
+    assert torch.equal(out, x.flip(0))
+"""
+
+
+def test_barrier_mutants_find_the_barrier_tests_do_not_need(tmp_path):
+    import io
+
+    from tests.metal_emu.mutants import barrier_mutants, run
+
+    mutants = barrier_mutants(_TWO_BARRIERS)
+    assert [line for line, _ in mutants] == [8, 10]
+    assert all(t.count("threadgroup_barrier") == 2 for _, t in mutants)  # comment + the other
+    metal = tmp_path / "flip.metal"
+    metal.write_text(_TWO_BARRIERS)
+    (tmp_path / "test_flip.py").write_text(_FLIP_TEST.format(path=str(metal)))
+    log = io.StringIO()
+    assert run(metal, [str(tmp_path / "test_flip.py")], out=log) == {8: "killed",
+                                                                      10: "survived"}
+    assert "flip.metal:10: barrier removed -> survived" in log.getvalue()
