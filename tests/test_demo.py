@@ -17,7 +17,10 @@ TINY_RUN = ["--steps", "40", "--finetune-steps", "4", "--batch-size", "8", "--se
 
 def test_short_run_writes_artifacts_and_learns(tmp_path, capsys):
     out = tmp_path / "run"
+    threads_before = torch.get_num_threads()
     summary = demo.main([*TINY_RUN, "--out", str(out)])
+    assert torch.get_num_threads() == threads_before  # restored after the run
+    assert 1 <= summary["threads"] <= threads_before
     for name in ("checkpoint.pt", "checkpoint_codebook.pt", "loss_curve.png", "sample.txt",
                  "summary.json"):
         assert (out / name).is_file() and (out / name).stat().st_size > 0, name
@@ -108,3 +111,13 @@ def test_device_choice():
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
             demo.pick_device("cuda")
+
+
+def test_thread_choice(monkeypatch):
+    assert demo.pick_threads(3) == 3
+    default = torch.get_num_threads()
+    assert 1 <= demo.pick_threads(None) <= default
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (64.0, 0.0, 0.0))
+    assert demo.pick_threads(None) == 1  # a saturated machine: one thread
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert demo.pick_threads(None) == min(default, len(os.sched_getaffinity(0)))
