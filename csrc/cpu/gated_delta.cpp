@@ -155,6 +155,10 @@ inline Vec256<acc_t> load_vec(const acc_t* p) {
   std::memcpy(&x, p, sizeof(x));
   return x;
 }
+template <typename acc_t>
+inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
+  std::memcpy(p, &x, sizeof(x));
+}
 
 // NV vectors (NV * 32 bytes of columns) per call, accumulators held in vector registers.
 template <int64_t NV, typename acc_t>
@@ -176,7 +180,7 @@ inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
     const acc_t ar = a[r], kr = kv[r], qr = qs[r];
     for (int64_t n = 0; n < NV; ++n) {
       const vec x = ar * load_vec(s + n * L) + kr * u[n];
-      std::memcpy(s + n * L, &x, sizeof(x));
+      store_vec(s + n * L, x);
       out[n] += qr * x;
     }
   }
@@ -264,53 +268,91 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
 //   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
 //   (w = P^T k)           dP_j = dS_j + dw_j k,  dk += dw_j P_j
 //   P = diag(a) S_{t-1}:  dg += dP_j * P_j (per channel),  dS_j <- a * dP_j
+//
+// Loops run over blocks of L rows (one vector) outside and columns inside, so dq, dk and dg
+// of a row block stay in registers while the columns stream by; du_j, a reduction down a
+// column, accumulates per column as a vector and is summed once at the end.
 template <typename acc_t>
 inline void reverse_step(const acc_t* __restrict St, const acc_t* __restrict Sp,
                          acc_t* __restrict dS, int64_t K, int64_t V, const acc_t* __restrict a,
                          const acc_t* __restrict kv, const acc_t* __restrict qs,
                          const acc_t* __restrict go, const acc_t* __restrict vw, acc_t b,
                          acc_t* __restrict dq, acc_t* __restrict dk, acc_t* __restrict dg,
-                         acc_t* __restrict dv, acc_t* __restrict dbeta) {
-  std::fill(dq, dq + K, acc_t(0));
-  std::fill(dk, dk + K, acc_t(0));
-  std::fill(dg, dg + K, acc_t(0));
+                         acc_t* __restrict dv, acc_t* __restrict dbeta,
+                         Vec256<acc_t>* __restrict du_part, acc_t* __restrict dw) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  const int64_t Kv = K / L * L;
+  for (int64_t j = 0; j < V; ++j) {
+    du_part[j] = vec{};
+    dw[j] = 0;  // first collects the tail rows' share of du_j
+  }
+  // Pass 1: dS += qs go^T; dq = S_t go; dk = dS u; du_j = dS_j . k.
+  for (int64_t rb = 0; rb < Kv; rb += L) {
+    const vec q8 = load_vec(qs + rb), k8 = load_vec(kv + rb);
+    vec dq8 = {}, dk8 = {};
+    for (int64_t j = 0; j < V; ++j) {
+      const int64_t i = j * K + rb;
+      const acc_t goj = go[j], uj = b * vw[j];
+      const vec d = load_vec(dS + i) + q8 * goj;
+      store_vec(dS + i, d);
+      dq8 += goj * load_vec(St + i);
+      dk8 += uj * d;
+      du_part[j] += d * k8;
+    }
+    store_vec(dq + rb, dq8);
+    store_vec(dk + rb, dk8);
+  }
+  for (int64_t r = Kv; r < K; ++r) {
+    acc_t dqr = 0, dkr = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      const int64_t i = j * K + r;
+      const acc_t d = dS[i] + qs[r] * go[j];
+      dS[i] = d;
+      dqr += go[j] * St[i];
+      dkr += b * vw[j] * d;
+      dw[j] += d * kv[r];  // the tail rows' share of du_j
+    }
+    dq[r] = dqr;
+    dk[r] = dkr;
+  }
   acc_t db = 0;
   for (int64_t j = 0; j < V; ++j) {
-    const acc_t* st = St + j * K;
-    const acc_t* sp = Sp + j * K;
-    acc_t* ds = dS + j * K;
-    const acc_t goj = go[j], uj = b * vw[j];
-    acc_t part[kLanes] = {};
-    int64_t r = 0;
-    for (; r + kLanes <= K; r += kLanes) {
-      for (int64_t l = 0; l < kLanes; ++l) {
-        const acc_t d = ds[r + l] + qs[r + l] * goj;
-        ds[r + l] = d;
-        dq[r + l] += goj * st[r + l];
-        dk[r + l] += uj * d;
-        part[l] += d * kv[r + l];
-      }
-    }
-    for (int64_t l = 0; r < K; ++r, ++l) {
-      const acc_t d = ds[r] + qs[r] * goj;
-      ds[r] = d;
-      dq[r] += goj * st[r];
-      dk[r] += uj * d;
-      part[l] += d * kv[r];
-    }
-    const acc_t du = sum_lanes(part);
+    acc_t du = dw[j];
+    for (int64_t l = 0; l < L; ++l) du += du_part[j][l];
     dv[j] = b * du;
     db += du * vw[j];
-    const acc_t dw = -b * du;
-    for (r = 0; r < K; ++r) {
-      const acc_t P = a[r] * sp[r];
-      const acc_t dP = ds[r] + kv[r] * dw;
-      dk[r] += dw * P;
-      dg[r] += dP * P;
-      ds[r] = a[r] * dP;
-    }
+    dw[j] = -b * du;
   }
   *dbeta = db;
+  // Pass 2: dP = dS + k dw^T; dk += P dw; dg = sum_j dP * P; dS = diag(a) dP.
+  for (int64_t rb = 0; rb < Kv; rb += L) {
+    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
+    vec dk8 = load_vec(dk + rb), dg8 = {};
+    for (int64_t j = 0; j < V; ++j) {
+      const int64_t i = j * K + rb;
+      const vec P = a8 * load_vec(Sp + i);
+      const vec dP = load_vec(dS + i) + k8 * dw[j];
+      dk8 += dw[j] * P;
+      dg8 += dP * P;
+      store_vec(dS + i, a8 * dP);
+    }
+    store_vec(dk + rb, dk8);
+    store_vec(dg + rb, dg8);
+  }
+  for (int64_t r = Kv; r < K; ++r) {
+    acc_t dkr = dk[r], dgr = 0;
+    for (int64_t j = 0; j < V; ++j) {
+      const int64_t i = j * K + r;
+      const acc_t P = a[r] * Sp[i];
+      const acc_t dP = dS[i] + kv[r] * dw[j];
+      dkr += dw[j] * P;
+      dgr += dP * P;
+      dS[i] = a[r] * dP;
+    }
+    dk[r] = dkr;
+    dg[r] = dgr;
+  }
 }
 
 template <typename in_t, typename acc_t>
@@ -327,7 +369,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     // states[i] = S before the chunk's token i (states[0] is the checkpoint).
     AccVec<acc_t> states((C + 1) * KV), dS(KV), vws(C * V);
-    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K);
+    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K), dw(V);
+    std::vector<Vec256<acc_t>> du_part(V);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % H, n = task / H;
       int64_t bos, eos;
@@ -361,7 +404,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             reverse_step(&states[(i + 1) * KV], &states[i * KV], dS.data(), K, V, a.data(),
                          kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
                          dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
-                         dbeta + tok * HV + hv);
+                         dbeta + tok * HV + hv, du_part.data(), dw.data());
             acc_t* dq_row = dq + (tok * H + h) * K;
             acc_t* dk_row = dk + (tok * H + h) * K;
             for (int64_t r = 0; r < K; ++r) {
