@@ -28,33 +28,14 @@
 namespace rlx {
 namespace {
 
-// The working state is column-major: column j of S (K contiguous values) is what token
-// t's update touches for output channel j, so each step streams every column once or twice
-// from L1 and all the reductions over K vectorize. Checkpoints and user-facing states keep
-// fla's [K, V] layout and are transposed on the way in and out (once per C tokens).
-//
-// Reductions use 8 independent partial sums: they vectorize without -ffast-math and their
-// order is fixed, so results are reproducible.
-constexpr int64_t kLanes = 8;
-
-template <typename T>
-inline T sum_lanes(const T* part) {
-  T s = 0;
-  for (int64_t l = 0; l < kLanes; ++l) s += part[l];
-  return s;
-}
-
-// sum_r a[r] * x[r] * y[r]
-template <typename T>
-inline T dot3(const T* __restrict a, const T* __restrict x, const T* __restrict y, int64_t n) {
-  T part[kLanes] = {};
-  int64_t r = 0;
-  for (; r + kLanes <= n; r += kLanes) {
-    for (int64_t l = 0; l < kLanes; ++l) part[l] += a[r + l] * x[r + l] * y[r + l];
-  }
-  for (int64_t l = 0; r < n; ++r, ++l) part[l] += a[r] * x[r] * y[r];
-  return sum_lanes(part);
-}
+// The forward keeps its state block row-major ([K, nv], fla's layout): a block of columns is
+// updated with S^T k and S^T q accumulating down the rows in vector registers. The backward
+// works on column-major states (column j of S, K contiguous values, is what a token's
+// update touches for output channel j): its loops run over row blocks outside and columns
+// inside, so the sums over V (dq, dk, dg) stay in registers and the sums over K (per
+// column) accumulate as vectors. Checkpoints and user-facing states keep fla's [K, V]
+// layout and are transposed on the way in and out of the backward (once per C tokens).
+// Every reduction runs in a fixed order, so results are reproducible bit for bit.
 
 template <typename acc_t>
 using AccVec = std::vector<acc_t>;
@@ -106,35 +87,6 @@ inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, 
   }
 }
 
-// One token on nv columns (column-major, K each): dst = P + k u^T with P = diag(a) src
-// (dst may equal src). Stores v - P^T k per column in vw (for the backward) and, when o is
-// given, o = dst^T qs.
-template <typename acc_t>
-inline void step(const acc_t* src, acc_t* dst, int64_t K, int64_t nv, const acc_t* __restrict a,
-                 const acc_t* __restrict kv, const acc_t* __restrict qs,
-                 const acc_t* __restrict vv, acc_t b, acc_t* __restrict vw,
-                 acc_t* __restrict o) {
-  for (int64_t j = 0; j < nv; ++j) {
-    const acc_t* s = src + j * K;
-    acc_t* d = dst + j * K;
-    vw[j] = vv[j] - dot3(a, s, kv, K);
-    const acc_t u = b * vw[j];
-    for (int64_t r = 0; r < K; ++r) d[r] = a[r] * s[r] + kv[r] * u;
-    if (o != nullptr) {
-      acc_t part[kLanes] = {};
-      int64_t r = 0;
-      for (; r + kLanes <= K; r += kLanes) {
-        for (int64_t l = 0; l < kLanes; ++l) part[l] += qs[r + l] * d[r + l];
-      }
-      for (int64_t l = 0; r < K; ++r, ++l) part[l] += qs[r] * d[r];
-      o[j] = sum_lanes(part);
-    }
-  }
-}
-
-// The forward keeps its state block row-major ([K, nv], fla's layout) instead: a block of W
-// columns is updated with w and o accumulating down the rows in registers, so the step
-// needs no horizontal reductions and touches S twice (read, then read-modify-write).
 // 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
 template <typename T>
 struct VecOf;
@@ -259,6 +211,46 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
       store_state(ht + (n * HV + hv) * K * V);
     }
   });
+}
+
+// Recomputes one token on all V columns of a column-major state: dst = P + k u^T with
+// P = diag(a) src, u = b (v - P^T k); stores v - P^T k per column in vw. Row blocks
+// outside, columns inside, like reverse_step.
+template <typename acc_t>
+inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, int64_t K,
+                           int64_t V, const acc_t* __restrict a, const acc_t* __restrict kv,
+                           const acc_t* __restrict vv, acc_t b, acc_t* __restrict vw,
+                           Vec256<acc_t>* __restrict w_part) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  const int64_t Kv = K / L * L;
+  for (int64_t j = 0; j < V; ++j) {
+    w_part[j] = vec{};
+    vw[j] = 0;  // first collects the tail rows' share of w_j
+  }
+  for (int64_t rb = 0; rb < Kv; rb += L) {
+    const vec f8 = load_vec(a + rb) * load_vec(kv + rb);
+    for (int64_t j = 0; j < V; ++j) w_part[j] += f8 * load_vec(src + j * K + rb);
+  }
+  for (int64_t r = Kv; r < K; ++r) {
+    const acc_t f = a[r] * kv[r];
+    for (int64_t j = 0; j < V; ++j) vw[j] += f * src[j * K + r];
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    acc_t w = vw[j];
+    for (int64_t l = 0; l < L; ++l) w += w_part[j][l];
+    vw[j] = vv[j] - w;
+  }
+  for (int64_t rb = 0; rb < Kv; rb += L) {
+    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
+    for (int64_t j = 0; j < V; ++j) {
+      const int64_t i = j * K + rb;
+      store_vec(dst + i, a8 * load_vec(src + i) + k8 * (b * vw[j]));
+    }
+  }
+  for (int64_t r = Kv; r < K; ++r) {
+    for (int64_t j = 0; j < V; ++j) dst[j * K + r] = a[r] * src[j * K + r] + kv[r] * b * vw[j];
+  }
 }
 
 // Reverse step of one token over all V columns. dS (column-major) holds dL/dS_t on entry
@@ -391,8 +383,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             load_decay(p, in.g, tok, hv, a.data());
             load_row(in.k, tok, H, h, K, kv.data());
             load_row(in.v, tok, HV, hv, V, vv.data());
-            step<acc_t>(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
-                        nullptr, vv.data(), in.beta[tok * HV + hv], &vws[i * V], nullptr);
+            recompute_step(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
+                           vv.data(), in.beta[tok * HV + hv], &vws[i * V], du_part.data());
           }
           for (int64_t i = len - 1; i >= 0; --i) {  // reverse recurrence
             const int64_t tok = t0 + i;
