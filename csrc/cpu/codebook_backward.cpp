@@ -1,0 +1,312 @@
+// CPU kernel for rlx::codebook_matmul_backward: lookup-table scatter for small batches,
+// dequantized weight tiles + GEMM for large ones (the algorithm is described in codebook.cpp).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "codebook_lut.h"
+
+#include <algorithm>
+#include <array>
+#include <tuple>
+#include <vector>
+
+namespace rlx::codebook::cpu {
+namespace {
+
+// Fixed (thread-count independent) partition of the groups into blocks: each block's
+// dcodebook partial is summed in block order, so results never depend on scheduling.
+int64_t backward_groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
+  return std::min(groups_per_block(d, bt, acc_size), std::max<int64_t>(1, ceil_div(d.groups, 16)));
+}
+
+// gT[tile][j][b] = grad[b0 + b, j] * s_j in acc_t, zero rows past the batch.
+template <typename scalar_t, typename acc_t, int BT>
+std::vector<acc_t> scaled_grad_tiles(const Dims& d, const scalar_t* grad, const scalar_t* scales) {
+  const int64_t B = d.rows, N = d.out_features, num_tiles = ceil_div(B, BT);
+  std::vector<acc_t> gT(num_tiles * N * BT, acc_t(0));
+  at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
+      acc_t* dst = gT.data() + tile * N * BT;
+      for (int64_t b = 0; b < nb; ++b) {
+        const scalar_t* row = grad + (b0 + b) * N;
+        for (int64_t j = 0; j < N; ++j) {
+          const acc_t s = scales ? static_cast<acc_t>(scales[j]) : acc_t(1);
+          dst[j * BT + b] = static_cast<acc_t>(row[j]) * s;
+        }
+      }
+    }
+  });
+  return gT;
+}
+
+// dL[g][m][idx[j, g0+g, m]][b] += gT[j][b] over every output row j, in order (dL zeroed).
+template <typename acc_t, int BT>
+void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g0, int64_t ng,
+                   acc_t* dL) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, row_stride = d.groups * M;
+  const int64_t steps = ng * M;
+  for (int64_t j = 0; j < d.out_features; ++j) {
+    const uint8_t* ip = idx + j * row_stride + g0 * M;
+    if constexpr (BT == 1) {
+      const acc_t gv = gT[j];
+      for (int64_t gm = 0; gm < steps; ++gm) dL[gm * E + ip[gm]] += gv;
+    } else {
+      using V = typename Vec<acc_t>::type;
+      constexpr int W = Vec<acc_t>::width, NV = BT / W;
+      V gv[NV];
+      for (int v = 0; v < NV; ++v) gv[v] = load_vec<V>(gT + j * BT + v * W);
+      for (int64_t gm = 0; gm < steps; ++gm) {
+        acc_t* r = dL + (gm * E + ip[gm]) * BT;
+        for (int v = 0; v < NV; ++v) store_vec(r + v * W, load_vec<V>(r + v * W) + gv[v]);
+      }
+    }
+  }
+}
+
+// sum_i a[i] * b[i] with W independent lanes, reduced in a fixed order.
+template <typename acc_t>
+acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
+  using V = typename Vec<acc_t>::type;
+  constexpr int W = Vec<acc_t>::width;
+  V s = {};
+  int64_t i = 0;
+  for (; i + W <= n; i += W) s += load_vec<V>(a + i) * load_vec<V>(b + i);
+  acc_t total = 0;
+  for (int k = 0; k < W; ++k) total += s[k];
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+// dx[b0 + b, (g0+g)*D + t] = sum_{m,c} dL[g][m][c][b] * C[m, c, t].
+template <typename scalar_t, typename acc_t, int BT>
+void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int64_t ng,
+              int64_t b0, int64_t nb, scalar_t* dx) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim, K = d.in_features;
+  for (int64_t g = 0; g < ng; ++g) {
+    const acc_t* dLg = dL + g * M * E * BT;
+    scalar_t* out = dx + b0 * K + (g0 + g) * D;
+    if constexpr (BT == 1) {
+      for (int64_t t = 0; t < D; ++t) {
+        acc_t sum = 0;
+        for (int64_t m = 0; m < M; ++m) sum += dot(dLg + m * E, cbT + (m * D + t) * E, E);
+        out[t] = static_cast<scalar_t>(sum);
+      }
+    } else {
+      using V = typename Vec<acc_t>::type;
+      constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+      int64_t t0 = 0;
+      // TT entry coordinates at once: TT*NV independent FMA chains per dL row load.
+      for (; t0 < D; t0 += TT) {
+        const int64_t nt = std::min<int64_t>(TT, D - t0);
+        V a[TT][NV] = {};
+        for (int64_t m = 0; m < M; ++m) {
+          const acc_t* rows = dLg + m * E * BT;
+          const acc_t* ct = cbT + (m * D + t0) * E;
+          for (int64_t c = 0; c < E; ++c) {
+            V r[NV];
+            for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(rows + c * BT + v * W);
+            for (int tt = 0; tt < TT; ++tt) {
+              const acc_t w = tt < nt ? ct[tt * E + c] : acc_t(0);
+              for (int v = 0; v < NV; ++v) a[tt][v] += w * r[v];
+            }
+          }
+        }
+        for (int64_t tt = 0; tt < nt; ++tt)
+          for (int64_t b = 0; b < nb; ++b)
+            out[b * K + t0 + tt] = static_cast<scalar_t>(a[tt][b / W][b % W]);
+      }
+    }
+  }
+}
+
+// wide[m][c][t][b] += sum_g dL[g][m][c][b] * x[b0 + b, (g0+g)*D + t]   (xT holds the x tile).
+template <typename acc_t, int BT>
+void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng, acc_t* wide) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
+  if constexpr (BT == 1) {
+    for (int64_t g = 0; g < ng; ++g)
+      for (int64_t mc = 0; mc < M * E; ++mc) {
+        const acc_t v = dL[g * M * E + mc];
+        for (int64_t t = 0; t < D; ++t) wide[mc * D + t] += v * xT[g * D + t];
+      }
+  } else {
+    using V = typename Vec<acc_t>::type;
+    constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+    for (int64_t mc = 0; mc < M * E; ++mc) {
+      for (int64_t t0 = 0; t0 < D; t0 += TT) {
+        const int64_t nt = std::min<int64_t>(TT, D - t0);
+        V a[TT][NV] = {};
+        for (int64_t g = 0; g < ng; ++g) {
+          const acc_t* row = dL + (g * M * E + mc) * BT;
+          V r[NV];
+          for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(row + v * W);
+          for (int tt = 0; tt < TT; ++tt) {
+            if (tt >= nt) break;
+            const acc_t* xr = xT + (g * D + t0 + tt) * BT;
+            for (int v = 0; v < NV; ++v) a[tt][v] += r[v] * load_vec<V>(xr + v * W);
+          }
+        }
+        for (int64_t tt = 0; tt < nt; ++tt) {
+          acc_t* w = wide + (mc * D + t0 + tt) * BT;
+          for (int v = 0; v < NV; ++v) store_vec(w + v * W, load_vec<V>(w + v * W) + a[tt][v]);
+        }
+      }
+    }
+  }
+}
+
+// LUT backward for dx (written into dx) and the per-block dcodebook partials [blocks][M*E*D].
+template <typename scalar_t, typename acc_t, int BT>
+void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const uint8_t* idx,
+                  const CodebookAcc<acc_t>& C, const scalar_t* scales, scalar_t* dx,
+                  acc_t* dc_parts, int64_t gpb) {
+  const int64_t B = d.rows, K = d.in_features, D = d.entry_dim;
+  const int64_t M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
+  const int64_t num_tiles = ceil_div(B, BT), num_blocks = ceil_div(d.groups, gpb);
+  const std::vector<acc_t> gT = scaled_grad_tiles<scalar_t, acc_t, BT>(d, grad, scales);
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> dL(gpb * M * E * BT), xT(gpb * D * BT);
+    std::vector<acc_t> wide(dc_parts ? MED * BT : 0);
+    for (int64_t blk = begin; blk < end; ++blk) {
+      const int64_t g0 = blk * gpb, ng = std::min(gpb, d.groups - g0);
+      std::fill(wide.begin(), wide.end(), acc_t(0));
+      for (int64_t tile = 0; tile < num_tiles; ++tile) {
+        const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
+        std::fill(dL.begin(), dL.begin() + ng * M * E * BT, acc_t(0));
+        scatter_block<acc_t, BT>(d, idx, gT.data() + tile * d.out_features * BT, g0, ng,
+                                 dL.data());
+        if (dx) dx_block<scalar_t, acc_t, BT>(d, C.dataT(), dL.data(), g0, ng, b0, nb, dx);
+        if (dc_parts) {
+          load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
+          dcodebook_block<acc_t, BT>(d, dL.data(), xT.data(), ng, wide.data());
+        }
+      }
+      if (dc_parts) {
+        acc_t* part = dc_parts + blk * MED;
+        for (int64_t i = 0; i < MED; ++i) {
+          acc_t s = 0;
+          for (int b = 0; b < BT; ++b) s += wide[i * BT + b];
+          part[i] = s;
+        }
+      }
+    }
+  });
+}
+
+// Dense backward for large batches: per weight tile, dx += gs @ W and dW = gs^T @ x, whose
+// rows are scattered into per-block dcodebook partials.
+template <typename acc_t>
+void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc,
+                    const uint8_t* idx, const acc_t* cb, at::Tensor* dx_acc, acc_t* dc_parts,
+                    int64_t gpb) {
+  const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
+  const int64_t num_blocks = ceil_div(d.groups, gpb), tile = dense_tile_rows(d, sizeof(acc_t));
+  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
+    const int64_t j1 = std::min(d.out_features, j0 + tile);
+    const at::Tensor g_tile = gs.narrow(1, j0, j1 - j0);
+    if (dx_acc) dx_acc->addmm_(g_tile, dequantize_rows<acc_t>(d, idx, cb, j0, j1));
+    if (!dc_parts) continue;
+    const at::Tensor dW = at::mm(g_tile.t(), x_acc);
+    const acc_t* dw = dW.data_ptr<acc_t>();
+    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        acc_t* part = dc_parts + blk * M * E * D;
+        const int64_t g1 = std::min(d.groups, (blk + 1) * gpb);
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t g = blk * gpb; g < g1; ++g) {
+            const acc_t* src = dw + (j - j0) * K + g * D;
+            for (int64_t m = 0; m < M; ++m) {
+              acc_t* dst = part + (m * E + idx[(j * d.groups + g) * M + m]) * D;
+              for (int64_t t = 0; t < D; ++t) dst[t] += src[t];
+            }
+          }
+        }
+      }
+    });
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
+    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+    std::array<bool, 4> mask) {
+  const Dims d = check_inputs(x, indices, codebook, scales, std::nullopt);
+  check_grad_out(grad_out, x, d);
+  TORCH_CHECK_VALUE(!mask[2] || scales.has_value(),
+                    "codebook_matmul_backward: output_mask[2] (grad_scales) needs scales");
+  check_index_range(indices, d);
+  // Distinct empty tensors for the outputs not computed (outputs must not alias).
+  const auto skipped = [&] { return at::empty({0}, x.options()); };
+  const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  auto g2d = grad_out.reshape({d.rows, d.out_features}).contiguous();
+  auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
+  auto idx = indices.contiguous();
+  auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
+  at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : skipped();
+  at::Tensor dC = skipped(), ds = skipped(), db = skipped();
+  if (mask[3]) db = g2d.to(acc_type).sum(0).to(x.scalar_type());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
+    using acc_t = typename AccType<scalar_t>::type;
+    const CodebookAcc<acc_t> C(codebook, d);
+    const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
+    const uint8_t* ip = idx.data_ptr<uint8_t>();
+    const bool dense = use_dense(d);
+    if (mask[2]) {
+      at::Tensor raw;
+      if (dense) {
+        raw = dense_raw<acc_t>(d, x2d.to(acc_type), ip, C.data());
+      } else {
+        raw = at::empty({d.rows, d.out_features}, at::dtype(acc_type));
+        with_tile_shape(d.rows, [&]<int BT, int JT>() {
+          lut_forward<scalar_t, acc_t, acc_t, BT, JT>(d, x2d.data_ptr<scalar_t>(), ip, C, nullptr,
+                                                      nullptr, raw.data_ptr<acc_t>());
+        });
+      }
+      ds = (g2d.to(acc_type) * raw).sum(0).to(x.scalar_type());
+    }
+    if (!mask[0] && !mask[1]) return;
+    const int64_t med = d.num_codebooks * d.num_entries * d.entry_dim;
+    at::Tensor parts;
+    auto run = [&](int64_t gpb) {
+      const int64_t num_blocks = ceil_div(d.groups, gpb);
+      if (mask[1]) parts = at::zeros({num_blocks, med}, at::dtype(acc_type));
+      return parts.defined() ? parts.data_ptr<acc_t>() : nullptr;
+    };
+    if (dense) {
+      const int64_t gpb = std::max<int64_t>(1, ceil_div(d.groups, 16));
+      acc_t* dc_parts = run(gpb);
+      auto x_acc = x2d.to(acc_type);
+      auto gs = g2d.to(acc_type);
+      if (sp) gs = gs * s.to(acc_type);
+      at::Tensor dx_acc = mask[0] ? at::zeros({d.rows, d.in_features}, at::dtype(acc_type))
+                                  : at::Tensor();
+      dense_backward<acc_t>(d, gs, x_acc, ip, C.data(), mask[0] ? &dx_acc : nullptr, dc_parts, gpb);
+      if (mask[0]) dx.view({d.rows, d.in_features}).copy_(dx_acc);
+    } else {
+      with_tile_shape(d.rows, [&]<int BT, int JT>() {
+        const int64_t gpb = backward_groups_per_block(d, BT, sizeof(acc_t));
+        acc_t* dc_parts = run(gpb);
+        lut_backward<scalar_t, acc_t, BT>(d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(),
+                                          ip, C, sp, mask[0] ? dx.data_ptr<scalar_t>() : nullptr,
+                                          dc_parts, gpb);
+      });
+    }
+    if (mask[1]) {
+      // Fixed-order reduction of the block partials (parts is [blocks, M*E*D]).
+      at::Tensor total = at::zeros({med}, at::dtype(acc_type));
+      for (int64_t blk = 0; blk < parts.size(0); ++blk) total.add_(parts[blk]);
+      dC = total.view(codebook.sizes()).to(x.scalar_type());
+    }
+  });
+  return {dx, dC, ds, db};
+}
+
+}  // namespace
+}  // namespace rlx::codebook::cpu
+
+TORCH_LIBRARY_IMPL(rlx, CPU, m) {
+  m.impl("codebook_matmul_backward", &rlx::codebook::cpu::backward_cpu);
+}

@@ -1,0 +1,323 @@
+// Internal CPU building blocks of the codebook matmul kernels (lookup table and dense
+// paths), shared by codebook.cpp (forward) and codebook_backward.cpp. See codebook.cpp for
+// the algorithm.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <rlx/codebook.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace rlx::codebook::cpu {
+
+template <typename T>
+struct AccType {
+  using type = float;
+};
+template <>
+struct AccType<double> {
+  using type = double;
+};
+
+inline constexpr int64_t kLutBlockBytes = 256 * 1024;       // table block per work item: stays in L2
+inline constexpr int64_t kLutBlockBytesOneRow = 16 * 1024;  // one-row tables: stay in L1
+inline constexpr int64_t kDenseTileBytes = 4 << 20;    // dequantized weight tile (dense path)
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
+inline int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
+  const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
+  // One batch row reads 4 bytes of each 64-byte table line: keep its table in L1 instead.
+  const int64_t bytes = bt == 1 ? kLutBlockBytesOneRow : kLutBlockBytes;
+  return std::clamp<int64_t>(bytes / per_group, 1, std::max<int64_t>(d.groups, 1));
+}
+
+// xT[c][b] = x[b0 + b, c0 + c] for b < nb, zero padding up to BT (one tile of batch rows).
+template <typename scalar_t, typename acc_t, int BT>
+void load_x_tile(const scalar_t* x, int64_t K, int64_t b0, int64_t nb, int64_t c0, int64_t nc,
+                 acc_t* xT) {
+  if (nb < BT) std::fill(xT, xT + nc * BT, acc_t(0));
+  for (int64_t b = 0; b < nb; ++b) {
+    const scalar_t* row = x + (b0 + b) * K + c0;
+    for (int64_t c = 0; c < nc; ++c) xT[c * BT + b] = static_cast<acc_t>(row[c]);
+  }
+}
+
+// 256-bit vectors via the GCC/Clang vector extension: explicit vectors keep the BT-wide
+// accumulators in registers (the compiler scalarizes plain local arrays of this size).
+template <typename T>
+struct Vec {
+  typedef T type __attribute__((vector_size(32)));
+  static constexpr int width = 32 / sizeof(T);
+};
+
+template <typename V, typename T>
+inline V load_vec(const T* p) {
+  V v;
+  std::memcpy(&v, p, sizeof(V));
+  return v;
+}
+
+template <typename V, typename T>
+inline void store_vec(T* p, const V& v) {
+  std::memcpy(p, &v, sizeof(V));
+}
+
+// L[g][m][c][b] for the ng groups held in xT ([ng*D][BT]).
+template <typename acc_t, int BT>
+void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* xT, int64_t ng,
+                 acc_t* L) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
+  for (int64_t g = 0; g < ng; ++g) {
+    for (int64_t m = 0; m < M; ++m) {
+      acc_t* Lgm = L + (g * M + m) * E * BT;
+      if constexpr (BT == 1) {
+        // One batch row: vectorize over the entries c with the transposed codebook [M][D][E].
+        std::fill(Lgm, Lgm + E, acc_t(0));
+        for (int64_t t = 0; t < D; ++t) {
+          const acc_t xv = xT[g * D + t];
+          const acc_t* ct = cbT + (m * D + t) * E;
+          for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
+        }
+      } else {
+        using V = typename Vec<acc_t>::type;
+        constexpr int W = Vec<acc_t>::width, NV = BT / W;
+        static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
+        // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
+        constexpr int CB = NV >= 8 ? 1 : 8 / NV;
+        int64_t c = 0;
+        for (; c + CB <= E; c += CB) {
+          const acc_t* entry = cb + (m * E + c) * D;
+          V a[CB][NV] = {};
+          for (int64_t t = 0; t < D; ++t) {
+            const acc_t* xr = xT + (g * D + t) * BT;
+            V xv[NV];
+            for (int v = 0; v < NV; ++v) xv[v] = load_vec<V>(xr + v * W);
+            for (int q = 0; q < CB; ++q) {
+              const acc_t w = entry[q * D + t];
+              for (int v = 0; v < NV; ++v) a[q][v] += w * xv[v];
+            }
+          }
+          for (int q = 0; q < CB; ++q)
+            for (int v = 0; v < NV; ++v) store_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
+        }
+        for (; c < E; ++c) {
+          const acc_t* entry = cb + (m * E + c) * D;
+          V a[NV] = {};
+          for (int64_t t = 0; t < D; ++t) {
+            const acc_t w = entry[t];
+            const acc_t* xr = xT + (g * D + t) * BT;
+            for (int v = 0; v < NV; ++v) a[v] += w * load_vec<V>(xr + v * W);
+          }
+          for (int v = 0; v < NV; ++v) store_vec(Lgm + c * BT + v * W, a[v]);
+        }
+      }
+    }
+  }
+}
+
+// acc[j - j0][b] += sum_{g in block, m} L[g][m][idx[j, g0+g, m]][b] for j in [j0, j1).
+// JT output rows at a time give independent add chains (latency, not throughput, bound).
+template <typename acc_t, int BT, int JT>
+void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0, int64_t ng,
+                  int64_t j0, int64_t j1, acc_t* acc) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, row_stride = d.groups * M;
+  const int64_t steps = ng * M;
+  if constexpr (BT == 1) {
+    int64_t j = j0;
+    for (; j + JT <= j1; j += JT) {
+      acc_t a[JT];
+      const uint8_t* ip[JT];
+      for (int q = 0; q < JT; ++q) {
+        a[q] = acc[j + q - j0];
+        ip[q] = idx + (j + q) * row_stride + g0 * M;
+      }
+      int64_t gm = 0;
+      // Eight index bytes per load, unpacked with shifts: one load per table lookup, not two.
+      for (; gm + 8 <= steps; gm += 8) {
+        uint64_t packed[JT];
+        for (int q = 0; q < JT; ++q) std::memcpy(&packed[q], ip[q] + gm, 8);
+        for (int k = 0; k < 8; ++k) {
+          const acc_t* Lgm = L + (gm + k) * E;
+          for (int q = 0; q < JT; ++q) a[q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
+        }
+      }
+      for (; gm < steps; ++gm) {
+        const acc_t* Lgm = L + gm * E;
+        for (int q = 0; q < JT; ++q) a[q] += Lgm[ip[q][gm]];
+      }
+      for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[q];
+    }
+    for (; j < j1; ++j) {
+      acc_t a = acc[j - j0];
+      const uint8_t* ip = idx + j * row_stride + g0 * M;
+      for (int64_t gm = 0; gm < steps; ++gm) a += L[gm * E + ip[gm]];
+      acc[j - j0] = a;
+    }
+  } else {
+    using V = typename Vec<acc_t>::type;
+    constexpr int W = Vec<acc_t>::width, NV = BT / W;
+    int64_t j = j0;
+    for (; j + JT <= j1; j += JT) {
+      V a[JT][NV];
+      const uint8_t* ip[JT];
+      for (int q = 0; q < JT; ++q) {
+        for (int v = 0; v < NV; ++v) a[q][v] = load_vec<V>(acc + (j + q - j0) * BT + v * W);
+        ip[q] = idx + (j + q) * row_stride + g0 * M;
+      }
+      for (int64_t gm = 0; gm < steps; ++gm) {
+        const acc_t* Lgm = L + gm * E * BT;
+        for (int q = 0; q < JT; ++q) {
+          const acc_t* r = Lgm + ip[q][gm] * BT;
+          for (int v = 0; v < NV; ++v) a[q][v] += load_vec<V>(r + v * W);
+        }
+      }
+      for (int q = 0; q < JT; ++q)
+        for (int v = 0; v < NV; ++v) store_vec(acc + (j + q - j0) * BT + v * W, a[q][v]);
+    }
+    for (; j < j1; ++j) {
+      V a[NV];
+      for (int v = 0; v < NV; ++v) a[v] = load_vec<V>(acc + (j - j0) * BT + v * W);
+      const uint8_t* ip = idx + j * row_stride + g0 * M;
+      for (int64_t gm = 0; gm < steps; ++gm) {
+        const acc_t* r = L + (gm * E + ip[gm]) * BT;
+        for (int v = 0; v < NV; ++v) a[v] += load_vec<V>(r + v * W);
+      }
+      for (int v = 0; v < NV; ++v) store_vec(acc + (j - j0) * BT + v * W, a[v]);
+    }
+  }
+}
+
+// Codebook in the accumulation type, as [M][E][D] and transposed [M][D][E].
+template <typename acc_t>
+struct CodebookAcc {
+  at::Tensor cb, cbT;
+  CodebookAcc(const at::Tensor& codebook, const Dims& d) {
+    auto c = codebook.reshape({d.num_codebooks, d.num_entries, d.entry_dim})
+                 .to(c10::CppTypeToScalarType<acc_t>::value);
+    cb = c.contiguous();
+    cbT = c.transpose(1, 2).contiguous();
+  }
+  const acc_t* data() const { return cb.data_ptr<acc_t>(); }
+  const acc_t* dataT() const { return cbT.data_ptr<acc_t>(); }
+};
+
+// out[b, j] = s_j * raw[b, j] + bias_j (scales/bias may be null), out_t is scalar_t or acc_t.
+template <typename scalar_t, typename acc_t, typename out_t, int BT, int JT>
+void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const CodebookAcc<acc_t>& C,
+                 const scalar_t* scales, const scalar_t* bias, out_t* out) {
+  const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
+  const int64_t M = d.num_codebooks, E = d.num_entries;
+  if (B == 0 || N == 0) return;
+  const int64_t num_tiles = ceil_div(B, BT);
+  // Split the outputs only when there are too few batch tiles to keep every thread busy;
+  // each split rebuilds the table, so never more splits than needed.
+  const int64_t want = at::get_num_threads();
+  const int64_t splits = std::clamp<int64_t>(ceil_div(want, num_tiles), 1, ceil_div(N, 64));
+  const int64_t rows_per_split = ceil_div(N, splits);
+  const int64_t gpb = groups_per_block(d, BT, sizeof(acc_t));
+  const acc_t* cb = C.data();
+  const acc_t* cbT = C.dataT();
+  at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> xT(gpb * D * BT), L(gpb * M * E * BT), acc(rows_per_split * BT);
+    for (int64_t w = begin; w < end; ++w) {
+      const int64_t b0 = (w / splits) * BT, nb = std::min<int64_t>(BT, B - b0);
+      const int64_t j0 = (w % splits) * rows_per_split, j1 = std::min(N, j0 + rows_per_split);
+      if (j0 >= j1) continue;
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t g0 = 0; g0 < d.groups; g0 += gpb) {
+        const int64_t ng = std::min(gpb, d.groups - g0);
+        load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
+        build_table<acc_t, BT>(d, cb, cbT, xT.data(), ng, L.data());
+        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, j0, j1, acc.data());
+      }
+      for (int64_t j = j0; j < j1; ++j) {
+        const acc_t s = scales ? static_cast<acc_t>(scales[j]) : acc_t(1);
+        const acc_t bj = bias ? static_cast<acc_t>(bias[j]) : acc_t(0);
+        for (int64_t b = 0; b < nb; ++b)
+          out[(b0 + b) * N + j] = static_cast<out_t>(acc[(j - j0) * BT + b] * s + bj);
+      }
+    }
+  });
+}
+
+// Calls f.template operator()<BT, JT>() with the tile shape suited to B rows.
+template <typename F>
+void with_tile_shape(int64_t B, F&& f) {
+  if (B <= 2) {
+    f.template operator()<1, 4>();
+  } else if (B <= 8) {
+    f.template operator()<8, 4>();
+  } else if (B <= 24) {
+    f.template operator()<16, 2>();
+  } else {
+    f.template operator()<32, 1>();
+  }
+}
+
+// The LUT costs about E*M table FMAs plus N*M/D gathered adds per (row, input feature);
+// the dense path N FMAs at GEMM speed plus dequantizing the weight once. Weights measured on
+// an AVX2 machine: a table FMA ~1/16, a gathered add ~1/8, a GEMM FMA ~1/24 cycle.
+inline bool use_dense(const Dims& d) {
+  if (d.rows < 64) return false;
+  const double M = static_cast<double>(d.num_codebooks);
+  const double lut = d.num_entries * M / 16.0 + d.out_features * M / (8.0 * d.entry_dim);
+  const double dense = d.out_features / 24.0 + d.out_features * M / (4.0 * d.rows);
+  return lut > dense;
+}
+
+// W[j - j0, g*D + t] = sum_m C[m, idx[j, g, m], t] for rows [j0, j1).
+template <typename acc_t>
+at::Tensor dequantize_rows(const Dims& d, const uint8_t* idx, const acc_t* cb, int64_t j0,
+                           int64_t j1) {
+  const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
+  at::Tensor W = at::empty({j1 - j0, K}, at::dtype(c10::CppTypeToScalarType<acc_t>::value));
+  acc_t* w = W.data_ptr<acc_t>();
+  at::parallel_for(j0, j1, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      acc_t* row = w + (j - j0) * K;
+      const uint8_t* ip = idx + j * d.groups * M;
+      for (int64_t g = 0; g < d.groups; ++g) {
+        acc_t* dst = row + g * D;
+        std::copy_n(cb + ip[g * M] * D, D, dst);
+        for (int64_t m = 1; m < M; ++m) {
+          const acc_t* e = cb + (m * E + ip[g * M + m]) * D;
+          for (int64_t t = 0; t < D; ++t) dst[t] += e[t];
+        }
+      }
+    }
+  });
+  return W;
+}
+
+inline int64_t dense_tile_rows(const Dims& d, int64_t acc_size) {
+  return std::max<int64_t>(64, kDenseTileBytes / std::max<int64_t>(d.in_features * acc_size, 1));
+}
+
+// raw[b, j] = sum_k x[b, k] W[j, k] in the accumulation dtype, one weight tile at a time.
+template <typename acc_t>
+at::Tensor dense_raw(const Dims& d, const at::Tensor& x_acc, const uint8_t* idx, const acc_t* cb) {
+  auto rawT = at::empty({d.out_features, d.rows}, x_acc.options());
+  const int64_t tile = dense_tile_rows(d, sizeof(acc_t));
+  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
+    const int64_t j1 = std::min(d.out_features, j0 + tile);
+    auto dst = rawT.narrow(0, j0, j1 - j0);
+    at::mm_out(dst, dequantize_rows<acc_t>(d, idx, cb, j0, j1), x_acc.t());
+  }
+  return rawT.t();
+}
+
+// E < 256 leaves uint8 values that would read past the codebook; 256 entries cannot overflow.
+inline void check_index_range(const at::Tensor& indices, const Dims& d) {
+  if (d.num_entries >= 256 || indices.numel() == 0) return;
+  const int64_t top = indices.max().item<uint8_t>();
+  TORCH_CHECK_VALUE(top < d.num_entries, "codebook_matmul: indices must be < E=", d.num_entries,
+                    " (the number of codebook entries), found ", top);
+}
+
+}  // namespace rlx::codebook::cpu
