@@ -253,3 +253,21 @@ def test_layer_rejects_bad_arguments():
         layer(torch.randn(2, 3, 16), attention_mask=torch.ones(2, 4))
     with pytest.raises(ValueError, match="batch 1"):
         layer(torch.randn(2, 3, 16), cu_seqlens=torch.tensor([0, 3]))
+
+
+def test_torch_compile_fullgraph_with_packed_sequences():
+    layer = make_layer("channel_conv2", dtype=torch.float32)
+    x = torch.randn(1, 12, layer.hidden_size)
+    cu = torch.tensor([0, 5, 12])
+    eager_x = x.clone().requires_grad_(True)
+    layer(eager_x, cu_seqlens=cu)[0].square().sum().backward()
+    eager_grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    layer.zero_grad(set_to_none=True)
+    compiled = torch.compile(lambda t, c: layer(t, cu_seqlens=c)[0], fullgraph=True)
+    compiled_x = x.clone().requires_grad_(True)
+    out = compiled(compiled_x, cu)
+    out.square().sum().backward()
+    torch.testing.assert_close(out, layer(x, cu_seqlens=cu)[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
+    for name, p in layer.named_parameters():
+        torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
