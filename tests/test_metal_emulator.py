@@ -416,3 +416,20 @@ def test_barrier_mutants_find_the_barrier_tests_do_not_need(tmp_path):
     assert run(metal, [str(tmp_path / "test_flip.py")], out=log) == {8: "killed",
                                                                       10: "survived"}
     assert "flip.metal:10: barrier removed -> survived" in log.getvalue()
+
+
+def test_private_arrays_are_bounds_checked(lib):
+    out = torch.zeros(6)
+    four = struct.pack("I", 4)
+    lib.run("private_arrays", 1, 6, [out, four, four], order="shuffle")
+    tid = torch.arange(6.0)
+    squares_dot_weights = 0 * 1 + 1 * 2 + 4 * 3 + 9 * 4
+    want = tid + 1 + squares_dot_weights + torch.tensor([4.0, 5, 6])[tid.long() % 3] * 10
+    torch.testing.assert_close(out, want)
+    with pytest.raises(EmulatorError, match=r"out-of-bounds index 4 into private array 'sq' of "
+                       r"4 elements.*thread \(0,0,0\)"):
+        lib.run("private_arrays", 1, 6, [out, struct.pack("I", 5), four])
+    # inside the helper the array is a `thread float*` that knows the array's extent
+    with pytest.raises(EmulatorError, match=r"out-of-bounds access to sq: bytes \[16, 20\) of a "
+                       r"16-byte buffer"):
+        lib.run("private_arrays", 1, 6, [out, four, struct.pack("I", 5)])

@@ -10,6 +10,9 @@ barrier sites point at the .metal file):
 - `1.5h` half literals become `metal::half(1.5f)`.
 - Explicit instantiations `template [[host_name("name")]] kernel void f<T>(...);` are removed
   and become launchable entries named `name`.
+- `thread T*` becomes a bounds-checked `metal::Ptr<T>` too, and private arrays
+  (`float s[8];`, `float acc[2][2] = {...};`) become bounds-checked `metal::Array`s that decay to
+  such pointers.
 - Vector swizzles of 2 to 4 components (`v.xy`, `v.zyx`, `p->rgba`) become
   `.template swz<...>()` calls, or `swz_ref<...>()` where the swizzle is assigned to.
 - Every `for` / `while` / `do-while` condition first calls `metal_emu::tick()` (the watchdog
@@ -228,6 +231,7 @@ def translate(src, path="kernel.metal"):
 
     code = _ATTR.sub("", code)
     code = translate_address_spaces(code, path)
+    code = checked_private_arrays(code)
     code = instrument_loops(code)
     code = translate_swizzles(code)
     code = re.sub(r"\b(\d+\.\d*|\.\d+|\d+)([eE][+-]?\d+)?[hH]\b",
@@ -237,7 +241,7 @@ def translate(src, path="kernel.metal"):
 
 _TYPE = r"(?:metal::)?\w+(?:\s*<[^<>;(){}]*(?:<[^<>;(){}]*>[^<>;(){}]*)*>)?"
 _ADDR = re.compile(
-    r"(\bconst\s+)?\b(device|constant|threadgroup)\s+(const\s+)?("
+    r"(\bconst\s+)?\b(device|constant|threadgroup|thread)\s+(const\s+)?("
     + _TYPE
     + r")(\s+const)?\s*([*&])"
 )
@@ -262,6 +266,54 @@ def translate_address_spaces(code, path):
             "parameters ([[threadgroup(i)]]), not declared in a function body"
         )
     return code
+
+
+_SCALARS = "float half bfloat int uint short ushort char uchar bool long ulong".split()
+_ARRAY_TYPES = _SCALARS + [f"{t}{n}" for t in _SCALARS for n in (2, 3, 4)]
+_DECLARATOR = re.compile(r"\s*([A-Za-z_]\w*)\s*((?:\[[^\[\]]+\]\s*)+)")
+
+
+def _split_commas(text):
+    parts, depth, start = [], 0, 0
+    for i, ch in enumerate(text):
+        depth += ch in "([{"
+        depth -= ch in ")]}"
+        if ch == "," and depth == 0:
+            parts.append(text[start:i])
+            start = i + 1
+    return parts + [text[start:]]
+
+
+def checked_private_arrays(code):
+    """`float a[4], b[N][2];` -> `metal::Array<float, (4), "a"> a; metal::Array<...> b;`.
+
+    Only statements (after `;`, `{` or `}`) declaring arrays of a scalar, vector, struct or
+    template-parameter type; an initializer is kept, its braces doubled (the Array wraps a C
+    array). Anything else is left as written (and unchecked)."""
+    types = set(_ARRAY_TYPES) | set(re.findall(r"\bstruct\s+(\w+)", code))
+    for params in re.findall(r"\btemplate\s*<([^<>]*)>", code):
+        types |= set(re.findall(r"\b(?:typename|class)\s+(\w+)", params))
+    decl = re.compile(r"(?<=[;{}])(\s*)((?:(?:const|constexpr|static)\s+)*)("
+                      + "|".join(sorted(map(re.escape, types), key=len, reverse=True))
+                      + r")\s+([A-Za-z_]\w*\s*\[[^;={}]*)(=[^;]*)?;")
+
+    def repl(m):
+        lead, quals, typ, declarators, init = m.groups()
+        parts = _split_commas(declarators)
+        matches = [_DECLARATOR.fullmatch(d) for d in parts]
+        if not all(matches) or (init and len(parts) > 1):
+            return m.group(0)
+        out = []
+        for d in matches:
+            name, dims = d.group(1), re.findall(r"\[([^\[\]]+)\]", d.group(2))
+            t = typ
+            for dim in reversed(dims):
+                t = f'metal::Array<{t}, ({dim.strip()}), "{name}">'
+            value = " = " + init[1:].strip().replace("{", "{{").replace("}", "}}") if init else ""
+            out.append(f"{quals}{t} {name}{value};")
+        return lead + " ".join(out)
+
+    return decl.sub(repl, code)
 
 
 _SWIZZLE = re.compile(r"(\.|->)\s*([xyzw]{2,4}|[rgba]{2,4})\b(?!\s*\()(\s*(?:[-+*/]?=)(?!=))?")

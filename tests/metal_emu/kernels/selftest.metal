@@ -297,3 +297,28 @@ template [[host_name("vector_ops_float")]] kernel void vector_ops<float>(
     device const float4*, device float4*, uint);
 template [[host_name("vector_ops_half")]] kernel void vector_ops<half>(
     device const float4*, device float4*, uint);
+
+// Private arrays: initialised 1-d and 2-d arrays, a file-scope constant table, arrays and a
+// scalar's address passed to helpers as `thread float*`. `limit` past the array sizes is a
+// planted out-of-bounds bug (in the kernel, or inside the helper).
+constant float kWeights[4] = {1.0f, 2.0f, 3.0f, 4.0f};
+
+inline void fill_squares(thread float* out, uint n) {
+  for (uint i = 0; i < n; ++i) out[i] = float(i * i);
+}
+
+inline void add_one(thread float* x) { *x += 1.0f; }
+
+kernel void private_arrays(device float* out [[buffer(0)]],
+                           constant uint& limit [[buffer(1)]],
+                           constant uint& helper_limit [[buffer(2)]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  float sq[4];
+  fill_squares(sq, helper_limit);
+  float grid[2][3] = {{1.0f, 2.0f, 3.0f}, {4.0f, 5.0f, 6.0f}};
+  float one = float(tid);
+  add_one(&one);
+  float s = one;
+  for (uint i = 0; i < limit; ++i) s += sq[i] * kWeights[i];
+  out[tid] = s + grid[1][tid % 3] * 10.0f;
+}

@@ -490,6 +490,9 @@ struct Ptr {
 
   Ptr() = default;
   Ptr(void* b, int64_t n, const char* l) : base(static_cast<char*>(b)), bytes(n), label(l) {}
+  // `thread T* p = &x`: a pointer to one private object
+  Ptr(T* p) : base(reinterpret_cast<char*>(const_cast<std::remove_const_t<T>*>(p))),
+              bytes(p ? int64_t(sizeof(T)) : 0), label("thread pointer") {}
   template <class U>
     requires std::is_convertible_v<U*, T*>
   Ptr(const Ptr<U>& o) : base(o.base), bytes(o.bytes), offset(o.offset), label(o.label) {}
@@ -529,6 +532,46 @@ struct Ptr {
 };
 template <class T>
 Ptr<T> operator+(int64_t n, const Ptr<T>& p) { return p + n; }
+
+// ---- bounds-checked private arrays -----------------------------------------------------------
+
+// What a private array `float s[8]` becomes (translate.py): `Array<float, 8, "s"> s`. Same
+// layout and aggregate initialisation as the C array; indexing is checked, and it decays to a
+// bounds-checked `thread float*` (a Ptr over the whole array) when passed to a function.
+template <size_t N>
+struct Label {
+  char text[N];
+  constexpr Label(const char (&s)[N]) {
+    for (size_t i = 0; i < N; ++i) text[i] = s[i];
+  }
+};
+
+template <class T, size_t N, Label Name>
+struct Array {
+  T v[N];
+
+  constexpr T& operator[](int64_t i) { return v[index(i)]; }
+  constexpr const T& operator[](int64_t i) const { return v[index(i)]; }
+  static constexpr int64_t index(int64_t i) {
+    if (i < 0 || i >= int64_t(N))
+      metal_emu::fail(std::string("out-of-bounds index ") + std::to_string(i) +
+                      " into private array '" + Name.text + "' of " + std::to_string(N) +
+                      " elements");
+    return i;
+  }
+  template <class U>
+    requires std::is_convertible_v<T*, U*>
+  operator Ptr<U>() { return Ptr<U>(static_cast<void*>(v), int64_t(sizeof v), Name.text); }
+  template <class U>
+    requires std::is_convertible_v<const T*, U*>
+  operator Ptr<U>() const {
+    return Ptr<U>(const_cast<void*>(static_cast<const void*>(v)), int64_t(sizeof v), Name.text);
+  }
+  T* begin() { return v; }
+  T* end() { return v + N; }
+  const T* begin() const { return v; }
+  const T* end() const { return v + N; }
+};
 
 // ---- barriers --------------------------------------------------------------------------------
 
