@@ -320,7 +320,8 @@ def run(parser, args, config, device) -> dict:
     baseline = unigram_bits_per_byte(train_tokens, held_out)
     model = GDNLanguageModel(config).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"rlx_torch demo on {device} ({torch.get_num_threads()} CPU threads): {DEMO_CORPUS} "
+    threads = torch.get_num_threads()
+    print(f"rlx_torch demo on {device} ({threads} CPU thread{'s' * (threads > 1)}): {DEMO_CORPUS} "
           f"({len(train_tokens):,} training bytes, {len(held_out) - 1:,} held out), "
           f"{n_params / 1e3:.0f}k parameters")
     print(f"unigram baseline: {baseline:.3f} bits per byte")
