@@ -121,3 +121,13 @@ def test_thread_choice(monkeypatch):
     assert demo.pick_threads(None) == 1  # a saturated machine: one thread
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
     assert demo.pick_threads(None) == min(default, len(os.sched_getaffinity(0)))
+
+
+def test_corpus_is_shipped_with_attribution():
+    from rlx_torch.data import DEMO_CORPUS, read_bytes
+
+    text = read_bytes(DEMO_CORPUS)
+    assert 100_000 < len(text) < 400_000 and text.isascii()
+    assert text.startswith(b"THE FIRST BOOK OF MOSES, CALLED GENESIS")
+    notice = read_bytes("README.txt").decode()
+    assert "public domain" in notice and "bible-kjv-text" in notice
