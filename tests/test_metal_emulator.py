@@ -433,3 +433,15 @@ def test_private_arrays_are_bounds_checked(lib):
     with pytest.raises(EmulatorError, match=r"out-of-bounds access to sq: bytes \[16, 20\) of a "
                        r"16-byte buffer"):
         lib.run("private_arrays", 1, 6, [out, four, struct.pack("I", 5)])
+
+
+def test_faults_in_a_kernel_thread_are_errors_not_crashes(lib):
+    out = torch.zeros(8, dtype=torch.int32)
+    with pytest.raises(EmulatorError, match=r"kernel divide_by_zero: arithmetic fault \(SIGFPE\)"
+                       r".*thread \(3,0,0\)"):
+        lib.run("divide_by_zero", 1, 8, [out], order="reverse")
+    lib.run("divide_by_zero", 1, 3, [out])  # the handlers are restored and work again
+    assert out[:3].tolist() == [-33, -50, -100]
+    with pytest.raises(EmulatorError, match=r"kernel huge_private_array: stack overflow: this "
+                       r"thread's private memory.*256 KiB"):
+        lib.run("huge_private_array", 1, 4, [torch.zeros(4)])

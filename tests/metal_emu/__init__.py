@@ -28,6 +28,8 @@ INCLUDE = HERE / "include"
 BUILD = Path(os.environ.get("RLX_EMU_BUILD", REPO / "build" / "metal_emu"))
 CXX = os.environ.get("CXX_EMU", "g++")
 CXXFLAGS = ["-std=c++20", "-O1", "-fPIC", "-shared", "-w", "-fno-strict-aliasing"]
+if sys.platform.startswith("linux"):  # big private arrays touch the stack guard page first
+    CXXFLAGS += ["-fstack-clash-protection"]
 if sys.platform == "darwin":  # macOS declares the (deprecated) ucontext routines only then
     CXXFLAGS += ["-D_XOPEN_SOURCE=700", "-D_DARWIN_C_SOURCE"]
 ORDERS = {"forward": 0, "reverse": 1, "shuffle": 2}

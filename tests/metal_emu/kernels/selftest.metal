@@ -322,3 +322,17 @@ kernel void private_arrays(device float* out [[buffer(0)]],
   for (uint i = 0; i < limit; ++i) s += sq[i] * kWeights[i];
   out[tid] = s + grid[1][tid % 3] * 10.0f;
 }
+
+// Planted bugs: an integer division by zero (thread 3), and more private memory than a thread
+// has (a GPU would fail to build the pipeline or spill; the emulator reports it).
+kernel void divide_by_zero(device int* out [[buffer(0)]],
+                           uint tid [[thread_index_in_threadgroup]]) {
+  out[tid] = 100 / (int(tid) - 3);
+}
+
+kernel void huge_private_array(device float* out [[buffer(0)]],
+                               uint tid [[thread_index_in_threadgroup]]) {
+  float big[100000];
+  for (uint i = 0; i < 100000; ++i) big[i] = float(i + tid);
+  out[tid] = big[(tid * 7919) % 100000];
+}

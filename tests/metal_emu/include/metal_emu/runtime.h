@@ -9,8 +9,10 @@
 // turns a runaway kernel into an error instead of a hang.
 #pragma once
 
-#include <ucontext.h>
+#include <signal.h>
 #include <sys/mman.h>
+#include <ucontext.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -56,6 +58,7 @@ struct Fiber {
   ucontext_t ctx;
   State state = State::Runnable;
   Site site;
+  char* guard = nullptr;  // a PROT_NONE page just below the stack: overflow faults there
   char* stack = nullptr;
 };
 
@@ -98,7 +101,7 @@ struct Runtime {
 
   ~Runtime() {
     for (auto& f : fibers)
-      if (f.stack) munmap(f.stack, kStackBytes);
+      if (f.guard) munmap(f.guard, size_t(f.stack - f.guard) + kStackBytes);
   }
 };
 
@@ -324,6 +327,65 @@ inline bool run_threadgroup(Runtime& rt) {
   }
 }
 
+// ---- faults inside a kernel thread --------------------------------------------------------------
+
+// On a GPU an integer division by zero gives an undefined value and a thread has bounded
+// private memory; on the CPU they are SIGFPE and a stack overflow (into the guard page), which
+// would kill the test process. While a launch runs, both become the launch's error and the
+// faulting fiber is abandoned. Other faults go to the previous handler (e.g. faulthandler).
+inline struct sigaction g_previous_fpe, g_previous_segv, g_previous_bus;  // SIGBUS: macOS
+
+inline void on_fault(int sig, siginfo_t* info, void*) {
+  Runtime* rt = g_rt;
+  if (rt != nullptr && rt->current >= 0) {
+    const Fiber& f = rt->fibers[size_t(rt->current)];
+    const char* addr = static_cast<const char*>(info->si_addr);
+    if (sig == SIGFPE) {
+      set_error("arithmetic fault (SIGFPE): an integer division by zero or INT_MIN / -1 "
+                "(undefined on a GPU)");
+      setcontext(&rt->sched_ctx);
+    }
+    if (addr >= f.guard && addr < f.stack) {
+      set_error("stack overflow: this thread's private memory (local arrays) exceeds the " +
+                std::to_string(kStackBytes / 1024) + " KiB the emulator gives a thread");
+      setcontext(&rt->sched_ctx);
+    }
+  }
+  // not ours: put the previous handler back; returning re-executes the faulting instruction
+  sigaction(sig, sig == SIGFPE ? &g_previous_fpe : sig == SIGBUS ? &g_previous_bus : &g_previous_segv,
+            nullptr);
+}
+
+struct FaultHandlers {
+  stack_t previous_stack{};
+  std::vector<char> alt_stack = std::vector<char>(64 * 1024);  // the handler's own stack
+  struct sigaction previous_fpe {}, previous_segv {}, previous_bus {};
+  FaultHandlers() {
+    stack_t st{};
+    st.ss_sp = alt_stack.data();
+    st.ss_size = alt_stack.size();
+    sigaltstack(&st, &previous_stack);
+    struct sigaction sa {};
+    sa.sa_sigaction = on_fault;
+    sa.sa_flags = SA_SIGINFO | SA_ONSTACK;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGFPE, &sa, &previous_fpe);
+    sigaction(SIGSEGV, &sa, &previous_segv);
+    sigaction(SIGBUS, &sa, &previous_bus);
+    g_previous_fpe = previous_fpe;
+    g_previous_segv = previous_segv;
+    g_previous_bus = previous_bus;
+  }
+  ~FaultHandlers() {
+    sigaction(SIGFPE, &previous_fpe, nullptr);
+    sigaction(SIGSEGV, &previous_segv, nullptr);
+    sigaction(SIGBUS, &previous_bus, nullptr);
+    sigaltstack(&previous_stack, nullptr);
+  }
+  FaultHandlers(const FaultHandlers&) = delete;
+  FaultHandlers& operator=(const FaultHandlers&) = delete;
+};
+
 inline int launch(const char* name, KernelBody body, const LaunchDesc& d, char* err,
                   size_t err_len) {
   Runtime rt;
@@ -345,11 +407,14 @@ inline int launch(const char* name, KernelBody body, const LaunchDesc& d, char* 
     return report("threads per threadgroup must be between 1 and 1024, got " +
                   std::to_string(rt.n_threads));
   rt.fibers.resize(rt.n_threads);
+  const size_t page = size_t(sysconf(_SC_PAGESIZE));
   for (auto& f : rt.fibers) {
-    void* p = mmap(nullptr, kStackBytes, PROT_READ | PROT_WRITE,
+    void* p = mmap(nullptr, page + kStackBytes, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
     if (p == MAP_FAILED) return report("could not map a fiber stack");
-    f.stack = static_cast<char*>(p);
+    f.guard = static_cast<char*>(p);
+    f.stack = f.guard + page;
+    if (mprotect(f.guard, page, PROT_NONE) != 0) return report("could not protect a stack guard");
   }
   rt.simd_in.resize(rt.n_threads);
   rt.simd_snapshot.resize(rt.n_threads);
@@ -380,6 +445,7 @@ inline int launch(const char* name, KernelBody body, const LaunchDesc& d, char* 
   } else {
     return report("too many threadgroups for the emulator: " + std::to_string(n_groups));
   }
+  FaultHandlers faults;  // from here on a fault inside a kernel thread is reported, not fatal
   for (uint32_t g : group_order) {
     rt.tg_pos[0] = g % gx;
     rt.tg_pos[1] = (g / gx) % gy;
