@@ -39,6 +39,11 @@ grad_o, grad_final_state, chunk_size=64) -> packed``
 ``rlx::gated_delta_bwd_layout(B, T, H, HV, K, V, N, gate_per_channel, has_initial_state)
 -> [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]``
 ``rlx::gated_delta_checkpoint_slots(N, tokens, chunk_size) -> int``
+
+``rlx::gated_delta_l2norm_fwd(x, eps) -> (y, rstd)`` and
+``rlx::gated_delta_l2norm_bwd(grad_y, x, rstd) -> grad_x`` (CPU; other devices use the same
+formula in PyTorch ops): fla's ``y = x / sqrt(sum(x^2, -1) + eps)`` in x's dtype, rstd
+``[x.shape[:-1]]`` in acc.
 """
 
 import functools
