@@ -73,14 +73,17 @@ VARIANTS = {
     "varlen": dict(B=1, cu_seqlens=[0, 20, 20, 65], state=True),
     "kda_gva_varlen": dict(B=1, H=2, HV=4, K=6, V=3, per_channel=True,
                            cu_seqlens=[0, 64, 65], state=True),
+    "l2norm": dict(normalize_k=False, state=True, use_qk_l2norm=True),
 }
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_matches_reference_all_variants(variant, dtype):
-    inputs = make_inputs(dtype=dtype, **VARIANTS[variant])
-    ours, ref = run_both(inputs)
+    kw = dict(VARIANTS[variant])
+    use_qk_l2norm = kw.pop("use_qk_l2norm", False)
+    inputs = make_inputs(dtype=dtype, **kw)
+    ours, ref = run_both(inputs, use_qk_l2norm=use_qk_l2norm)
     assert ours["o"].dtype == dtype and ours["o"].shape == inputs["v"].shape
     assert ours["ht"].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     for name, expected in ref.items():
