@@ -256,6 +256,24 @@ def test_edge_cases_match_reference(case):
             (ours[name] - expected).abs().max() < 1e-6, name
 
 
+def test_inference_keeps_no_checkpoints():
+    inputs = make_inputs(B=2, T=70, state=True, per_channel=True)
+    args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 0.3,
+            inputs["initial_state"], None)
+    o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args, 0)
+    o64, ht64, ckpt64 = torch.ops.rlx.gated_delta_fwd(*args, 64)
+    assert ckpt.shape[0] == 0 and ckpt64.shape[0] > 0
+    assert torch.equal(o, o64) and torch.equal(ht, ht64)
+    torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args + (0,))
+    with torch.no_grad():  # the public function takes this path on its own
+        o2, ht2 = rlx_torch.gated_delta_rule(*args[:5], scale=0.3,
+                                             initial_state=inputs["initial_state"],
+                                             output_final_state=True)
+    assert torch.equal(o2, o) and torch.equal(ht2, ht)
+    with pytest.raises(RuntimeError, match="needs the forward's checkpoints"):
+        torch.ops.rlx.gated_delta_bwd(*args, ckpt, o, None, 0)
+
+
 def test_deterministic_bitwise():
     inputs = make_inputs(B=2, T=100, H=2, HV=4, K=16, V=16, state=True, per_channel=True)
     torch.manual_seed(1)

@@ -196,7 +196,9 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         }
       };
       for (int64_t tok = bos; tok < eos; ++tok) {
-        if ((tok - bos) % C == 0) store_state(ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
+        if (C > 0 && (tok - bos) % C == 0) {
+          store_state(ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
+        }
         load_decay(p, in.g, tok, hv, a.data());
         load_row(in.k, tok, p.num_qk_heads, h, K, kv.data());
         load_row(in.q, tok, p.num_qk_heads, h, K, qs.data());
@@ -436,6 +438,7 @@ Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at
 // Slots no sequence uses (the slack of gdn_checkpoint_slots) are zeroed so that the output
 // is fully defined.
 void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt) {
+  if (p.chunk == 0) return;  // no checkpoints kept
   std::vector<bool> used(ckpt.size(0), false);
   for (int64_t n = 0; n < p.num_seqs; ++n) {
     int64_t bos, eos;
@@ -489,6 +492,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  TORCH_CHECK(p.chunk >= 1, op, ": chunk_size must be >= 1: the backward needs the forward's ",
+              "checkpoints, got ", p.chunk);
   const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
   TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
                   checkpoints.size(1) == HV && checkpoints.size(2) == K &&
@@ -546,7 +551,7 @@ std::vector<int64_t> gated_delta_bwd_layout(int64_t batch, int64_t seq_len, int6
 
 int64_t gated_delta_checkpoint_slots(int64_t num_seqs, int64_t total_tokens,
                                      int64_t chunk_size) {
-  TORCH_CHECK(chunk_size >= 1, "rlx::gated_delta_checkpoint_slots: chunk_size must be >= 1");
+  TORCH_CHECK(chunk_size >= 0, "rlx::gated_delta_checkpoint_slots: chunk_size must be >= 0");
   return gdn_checkpoint_slots(num_seqs, total_tokens, chunk_size);
 }
 

@@ -24,7 +24,9 @@ float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when v
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Unused slots are zero.
+    ``n + bos_n // C + j``. Unused slots are zero. ``chunk_size=0`` keeps no checkpoints
+    (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
+    public function uses it on the CPU when no gradient is needed).
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
 grad_o, grad_final_state, chunk_size=64) -> packed``
@@ -256,6 +258,13 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         q, k = l2norm(q), l2norm(k)
     g, beta = _as_acc("g", g, acc), _as_acc("beta", beta, acc)
     initial_state = _as_acc("initial_state", initial_state, acc, required=False)
-    o, final_state, _ = GatedDeltaRuleFunction.apply(
-        q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size))
+    tensors = (q, k, v, g, beta, initial_state)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in tensors)
+    if needs_grad or q.device.type != "cpu":
+        o, final_state, _ = GatedDeltaRuleFunction.apply(
+            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size))
+    else:  # inference: no checkpoints (saves O(T / C * K * V) memory per head)
+        o, final_state, _ = torch.ops.rlx.gated_delta_fwd(
+            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0)
     return o, (final_state if output_final_state else None)

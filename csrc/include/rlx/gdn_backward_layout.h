@@ -19,7 +19,8 @@
 //    n + bos_n / C never overlaps the previous sequence's slots (because
 //    floor(a + b) >= floor(a) + floor(b) and ceil(x) <= floor(x) + 1), and the slot count
 //    depends only on N and the token count, so it is known without reading cu_seqlens.
-//    Slots no sequence uses are zero.
+//    Slots no sequence uses are zero. chunk_size = 0 keeps no checkpoints (0 slots): for
+//    forward passes that no backward will follow.
 #pragma once
 
 #include <cstdint>
@@ -78,13 +79,14 @@ struct GdnBackwardLayout {
 
 // Forward checkpoint slots (see 2. above).
 inline int64_t gdn_checkpoint_slots(int64_t num_seqs, int64_t total_tokens, int64_t chunk) {
+  if (chunk <= 0) return 0;
   return num_seqs + (total_tokens + chunk - 1) / chunk;
 }
 inline int64_t gdn_checkpoint_base(int64_t seq, int64_t bos, int64_t chunk) {
-  return seq + bos / chunk;
+  return chunk > 0 ? seq + bos / chunk : 0;
 }
 inline int64_t gdn_num_chunks(int64_t seq_tokens, int64_t chunk) {
-  return (seq_tokens + chunk - 1) / chunk;
+  return chunk > 0 ? (seq_tokens + chunk - 1) / chunk : 0;
 }
 
 // Default checkpoint interval: the backward recomputes at most this many states per chunk

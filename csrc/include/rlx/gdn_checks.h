@@ -88,7 +88,8 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
     TORCH_CHECK(t->device() == q.device(), op, ": all inputs must be on q's device ",
                 q.device(), ", got one on ", t->device());
   }
-  TORCH_CHECK(chunk_size >= 1, op, ": chunk_size must be >= 1, got ", chunk_size);
+  TORCH_CHECK(chunk_size >= 0, op, ": chunk_size must be >= 0 (0 keeps no checkpoints), got ",
+              chunk_size);
   p.chunk = chunk_size;
 
   p.num_seqs = p.batch;
