@@ -88,6 +88,11 @@ inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, 
 }
 
 // 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
+// Every function here has internal linkage, so the ABI note GCC gives for passing such
+// vectors in a build without AVX (RLX_AVX2=0) does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 template <typename T>
 struct VecOf;
 template <>
