@@ -16,3 +16,6 @@ fi
   "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
 # In-place build (incremental); scripts/check_wheel.sh covers `pip install`/wheels.
 PYTHON=.venv/bin/python bash scripts/build_dev.sh
+# Put the source tree on the venv's path so benchmarks and examples import the in-place build.
+SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+pwd > "$SITE/rlx_torch_dev.pth"
