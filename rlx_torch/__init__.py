@@ -2,17 +2,23 @@
 
 from ._loader import load_extension
 
-load_extension()
+load_extension()  # registers torch.ops.rlx.*; must precede the modules that add fakes/autograd
 
-from . import nn, ops, optim  # noqa: E402
+from . import compat, models, nn, ops, optim  # noqa: E402
 from .models import GDNConfig, GDNLanguageModel  # noqa: E402
 from .ops.codebook import codebook_matmul  # noqa: E402
 from .ops.gated_delta import gated_delta_rule  # noqa: E402
 
-# Public API (each feature adds its names here).
-__all__ = ["nn", "ops", "optim"]
-__all__ += ["codebook_matmul"]
-__all__ += ["gated_delta_rule"]
-__all__ += ["GDNConfig", "GDNLanguageModel"]
+__all__ = [
+    "GDNConfig",
+    "GDNLanguageModel",
+    "codebook_matmul",
+    "compat",
+    "gated_delta_rule",
+    "models",
+    "nn",
+    "ops",
+    "optim",
+]
 
 __version__ = "0.1.0"
