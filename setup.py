@@ -51,6 +51,11 @@ def _extension():
     if platform.machine() in ("x86_64", "AMD64"):
         # AVX2/FMA: every x86-64 CPU since Haswell (2013). RLX_AVX2=0 builds for older ones.
         cxx += ["-mavx2", "-mfma"] if os.getenv("RLX_AVX2", "1") == "1" else []
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        # at::parallel_for is header-inlined `#pragma omp parallel`: without -fopenmp every
+        # kernel of ours silently runs on one thread.
+        cxx.append("-fopenmp")
+        extra_link.append("-fopenmp")
     return CppExtension(
         "rlx_torch._C",
         srcs,
