@@ -101,6 +101,17 @@ def test_sequence_lengths(T, variant):
         assert rel_rms(ours[name], expected) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("K,V,dtype", [(128, 128, torch.float64), (256, 256, torch.float32)])
+def test_large_states_use_several_sub_chunks(K, V, dtype):
+    # The backward recomputes a chunk in sub-chunks of at most 256 KiB of states: 2 tokens
+    # for a float64 128 x 128 state, 1 for a float32 256 x 256 one (odd splits, varlen).
+    inputs = make_inputs(B=1, T=9, H=1, HV=1, K=K, V=V, dtype=dtype, per_channel=True,
+                         state=True, cu_seqlens=[0, 2, 9])
+    ours, ref = run_both(inputs, ours_kw=dict(chunk_size=5))
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[dtype], name
+
+
 def test_l2norm_and_scale_match_reference():
     inputs = make_inputs(T=40, normalize_k=False, state=True)
     ours, ref = run_both(inputs, use_qk_l2norm=True, scale=0.3)

@@ -6,8 +6,8 @@
 // Forward: parallel over (sequence, hv, V-block) -- the columns of S evolve independently --
 // and keeps S every C tokens in the checkpoint buffer (gdn_backward_layout.h).
 // Backward: parallel over (sequence, q/k head); for each value head of the group it walks
-// the chunks backwards, recomputes the chunk's states from its checkpoint into a C x K x V
-// scratch, then runs the reverse recurrence for dS. dq/dk of a group are summed over its
+// the chunks backwards, recomputes the chunk's states from its checkpoint in L2-sized
+// sub-chunks (see backward_kernel), and runs the reverse recurrence for dS over them. dq/dk of a group are summed over its
 // value heads in a fixed order, so results are bitwise reproducible.
 // The only exponentials are exp(g_t) of the inputs themselves (<= 1 for the log-space
 // decays g <= 0 the op is meant for); nothing is ever divided by a decay.
@@ -125,22 +125,45 @@ inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                             acc_t* __restrict o) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  vec w[NV] = {}, u[NV], out[NV] = {};
-  for (int64_t r = 0; r < K; ++r) {
+  // Even and odd rows sum into separate accumulators: 2 * NV independent FMA chains keep
+  // both FMA pipes busy (one chain per vector would wait on the FMA latency).
+  vec w[NV] = {}, w2[NV] = {}, u[NV], out[NV] = {}, out2[NV] = {};
+  int64_t r = 0;
+  for (; r + 1 < K; r += 2) {
     const acc_t* s = S + r * ld;
-    const acc_t f = a[r] * kv[r];
-    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(s + n * L);
-  }
-  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - w[n]);
-  for (int64_t r = 0; r < K; ++r) {
-    acc_t* s = S + r * ld;
-    const acc_t ar = a[r], kr = kv[r], qr = qs[r];
+    const acc_t f = a[r] * kv[r], f2 = a[r + 1] * kv[r + 1];
     for (int64_t n = 0; n < NV; ++n) {
-      const vec x = ar * load_vec(s + n * L) + kr * u[n];
-      store_vec(s + n * L, x);
-      out[n] += qr * x;
+      w[n] += f * load_vec(s + n * L);
+      w2[n] += f2 * load_vec(s + ld + n * L);
     }
   }
+  if (r < K) {
+    const acc_t f = a[r] * kv[r];
+    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(S + r * ld + n * L);
+  }
+  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - (w[n] + w2[n]));
+  for (r = 0; r + 1 < K; r += 2) {
+    acc_t* s = S + r * ld;
+    const acc_t ar = a[r], kr = kv[r], qr = qs[r];
+    const acc_t ar2 = a[r + 1], kr2 = kv[r + 1], qr2 = qs[r + 1];
+    for (int64_t n = 0; n < NV; ++n) {
+      const vec x = ar * load_vec(s + n * L) + kr * u[n];
+      const vec x2 = ar2 * load_vec(s + ld + n * L) + kr2 * u[n];
+      store_vec(s + n * L, x);
+      store_vec(s + ld + n * L, x2);
+      out[n] += qr * x;
+      out2[n] += qr2 * x2;
+    }
+  }
+  if (r < K) {
+    acc_t* s = S + r * ld;
+    for (int64_t n = 0; n < NV; ++n) {
+      const vec x = a[r] * load_vec(s + n * L) + kv[r] * u[n];
+      store_vec(s + n * L, x);
+      out[n] += qs[r] * x;
+    }
+  }
+  for (int64_t n = 0; n < NV; ++n) out[n] += out2[n];
   std::memcpy(o, out, sizeof(out));
 }
 
@@ -262,6 +285,7 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
 
 // Reverse step of one token over all V columns. dS (column-major) holds dL/dS_t on entry
 // and dL/dS_{t-1} on exit. Per column j, with u_j = b vw_j:
+//   P = diag(a) S_{t-1},  S_t = P + k u^T  (rebuilt from S_{t-1}: one state read, not two)
 //   o = S_t^T qs:        dS_j += qs go_j,  dq += go_j S_t[:, j]
 //   S_t = P + k u^T:      dk += u_j dS_j,   du_j = dS_j . k
 //   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
@@ -270,46 +294,56 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
 //
 // Loops run over blocks of L rows (one vector) outside and columns inside, so dq, dk and dg
 // of a row block stay in registers while the columns stream by; du_j, a reduction down a
-// column, accumulates per column as a vector and is summed once at the end.
+// column, accumulates per column as a vector and is summed once at the end. Columns go in
+// pairs with separate accumulators for even and odd columns, so no FMA waits on the previous
+// one's latency.
 template <typename acc_t>
-inline void reverse_step(const acc_t* __restrict St, const acc_t* __restrict Sp,
-                         acc_t* __restrict dS, int64_t K, int64_t V, const acc_t* __restrict a,
-                         const acc_t* __restrict kv, const acc_t* __restrict qs,
-                         const acc_t* __restrict go, const acc_t* __restrict vw, acc_t b,
-                         acc_t* __restrict dq, acc_t* __restrict dk, acc_t* __restrict dg,
-                         acc_t* __restrict dv, acc_t* __restrict dbeta,
-                         Vec256<acc_t>* __restrict du_part, acc_t* __restrict dw) {
+inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t K,
+                         int64_t V, const acc_t* __restrict a, const acc_t* __restrict kv,
+                         const acc_t* __restrict qs, const acc_t* __restrict go,
+                         const acc_t* __restrict vw, acc_t b, acc_t* __restrict dq,
+                         acc_t* __restrict dk, acc_t* __restrict dg, acc_t* __restrict dv,
+                         acc_t* __restrict dbeta, Vec256<acc_t>* __restrict du_part,
+                         acc_t* __restrict dw) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  const int64_t Kv = K / L * L;
+  const int64_t Kv = K / L * L, V2 = V / 2 * 2;
   for (int64_t j = 0; j < V; ++j) {
     du_part[j] = vec{};
     dw[j] = 0;  // first collects the tail rows' share of du_j
   }
   // Pass 1: dS += qs go^T; dq = S_t go; dk = dS u; du_j = dS_j . k.
   for (int64_t rb = 0; rb < Kv; rb += L) {
-    const vec q8 = load_vec(qs + rb), k8 = load_vec(kv + rb);
-    vec dq8 = {}, dk8 = {};
-    for (int64_t j = 0; j < V; ++j) {
+    const vec q8 = load_vec(qs + rb), k8 = load_vec(kv + rb), a8 = load_vec(a + rb);
+    vec dq8 = {}, dk8 = {}, dq8b = {}, dk8b = {};
+    auto column = [&](int64_t j, vec& dqa, vec& dka) {
       const int64_t i = j * K + rb;
       const acc_t goj = go[j], uj = b * vw[j];
+      const vec St = a8 * load_vec(Sp + i) + k8 * uj;
       const vec d = load_vec(dS + i) + q8 * goj;
       store_vec(dS + i, d);
-      dq8 += goj * load_vec(St + i);
-      dk8 += uj * d;
+      dqa += goj * St;
+      dka += uj * d;
       du_part[j] += d * k8;
+    };
+    for (int64_t j = 0; j < V2; j += 2) {
+      column(j, dq8, dk8);
+      column(j + 1, dq8b, dk8b);
     }
-    store_vec(dq + rb, dq8);
-    store_vec(dk + rb, dk8);
+    if (V2 < V) column(V2, dq8, dk8);
+    store_vec(dq + rb, dq8 + dq8b);
+    store_vec(dk + rb, dk8 + dk8b);
   }
   for (int64_t r = Kv; r < K; ++r) {
     acc_t dqr = 0, dkr = 0;
     for (int64_t j = 0; j < V; ++j) {
       const int64_t i = j * K + r;
+      const acc_t uj = b * vw[j];
+      const acc_t St = a[r] * Sp[i] + kv[r] * uj;
       const acc_t d = dS[i] + qs[r] * go[j];
       dS[i] = d;
-      dqr += go[j] * St[i];
-      dkr += b * vw[j] * d;
+      dqr += go[j] * St;
+      dkr += uj * d;
       dw[j] += d * kv[r];  // the tail rows' share of du_j
     }
     dq[r] = dqr;
@@ -327,17 +361,22 @@ inline void reverse_step(const acc_t* __restrict St, const acc_t* __restrict Sp,
   // Pass 2: dP = dS + k dw^T; dk += P dw; dg = sum_j dP * P; dS = diag(a) dP.
   for (int64_t rb = 0; rb < Kv; rb += L) {
     const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
-    vec dk8 = load_vec(dk + rb), dg8 = {};
-    for (int64_t j = 0; j < V; ++j) {
+    vec dk8 = load_vec(dk + rb), dg8 = {}, dk8b = {}, dg8b = {};
+    auto column = [&](int64_t j, vec& dka, vec& dga) {
       const int64_t i = j * K + rb;
       const vec P = a8 * load_vec(Sp + i);
       const vec dP = load_vec(dS + i) + k8 * dw[j];
-      dk8 += dw[j] * P;
-      dg8 += dP * P;
+      dka += dw[j] * P;
+      dga += dP * P;
       store_vec(dS + i, a8 * dP);
+    };
+    for (int64_t j = 0; j < V2; j += 2) {
+      column(j, dk8, dg8);
+      column(j + 1, dk8b, dg8b);
     }
-    store_vec(dk + rb, dk8);
-    store_vec(dg + rb, dg8);
+    if (V2 < V) column(V2, dk8, dg8);
+    store_vec(dk + rb, dk8 + dk8b);
+    store_vec(dg + rb, dg8 + dg8b);
   }
   for (int64_t r = Kv; r < K; ++r) {
     acc_t dkr = dk[r], dgr = 0;
@@ -365,11 +404,29 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
+  // Sub-chunk length: its states take at most 256 KiB (a quarter of a typical L2).
+  const int64_t Cs =
+      std::clamp<int64_t>((int64_t(256) << 10) / (KV * int64_t(sizeof(acc_t))), 1, C);
   at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
-    // states[i] = S before the chunk's token i (states[0] is the checkpoint).
-    AccVec<acc_t> states((C + 1) * KV), dS(KV), vws(C * V);
+    // Two levels of recomputation keep the working set in L2: a chunk is first walked
+    // forward from its checkpoint keeping only the state at every sub-chunk start (subs);
+    // then each sub-chunk, last first, recomputes its Cs states (states[i] = S before its
+    // token i) and runs the reverse recurrence over them. Costs one extra forward walk;
+    // saves streaming C full states through L3/DRAM, which dominated for K = V = 128.
+    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * KV), states((Cs + 1) * KV), dS(KV), vws(Cs * V);
     AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K), dw(V);
     std::vector<Vec256<acc_t>> du_part(V);
+    // Recomputes tokens [tok0, tok0 + count) from states[0], filling states[1..count], vws.
+    auto recompute = [&](int64_t tok0, int64_t count, int64_t h, int64_t hv) {
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t tok = tok0 + i;
+        load_decay(p, in.g, tok, hv, a.data());
+        load_row(in.k, tok, H, h, K, kv.data());
+        load_row(in.v, tok, HV, hv, V, vv.data());
+        recompute_step(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
+                       vv.data(), in.beta[tok * HV + hv], &vws[i * V], du_part.data());
+      }
+    };
     for (int64_t task = begin; task < end; ++task) {
       const int64_t h = task % H, n = task / H;
       int64_t bos, eos;
@@ -384,38 +441,41 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         }
         for (int64_t c = nchunks - 1; c >= 0; --c) {
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
-          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, 0, V, states.data());
-          for (int64_t i = 0; i < len; ++i) {  // recompute the chunk's states
-            const int64_t tok = t0 + i;
-            load_decay(p, in.g, tok, hv, a.data());
-            load_row(in.k, tok, H, h, K, kv.data());
-            load_row(in.v, tok, HV, hv, V, vv.data());
-            recompute_step(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
-                           vv.data(), in.beta[tok * HV + hv], &vws[i * V], du_part.data());
+          const int64_t nsub = gdn_num_chunks(len, Cs);
+          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, 0, V, subs.data());
+          for (int64_t s = 0; s + 1 < nsub; ++s) {
+            std::memcpy(states.data(), &subs[s * KV], KV * sizeof(acc_t));
+            recompute(t0 + s * Cs, Cs, h, hv);
+            std::memcpy(&subs[(s + 1) * KV], &states[Cs * KV], KV * sizeof(acc_t));
           }
-          for (int64_t i = len - 1; i >= 0; --i) {  // reverse recurrence
-            const int64_t tok = t0 + i;
-            load_decay(p, in.g, tok, hv, a.data());
-            load_row(in.k, tok, H, h, K, kv.data());
-            load_row(in.q, tok, H, h, K, qs.data());
-            for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
-            load_row(grad_o, tok, HV, hv, V, go.data());
-            reverse_step(&states[(i + 1) * KV], &states[i * KV], dS.data(), K, V, a.data(),
-                         kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
-                         dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
-                         dbeta + tok * HV + hv, du_part.data(), dw.data());
-            acc_t* dq_row = dq + (tok * H + h) * K;
-            acc_t* dk_row = dk + (tok * H + h) * K;
-            for (int64_t r = 0; r < K; ++r) {
-              dq_row[r] += in.scale * dqt[r];
-              dk_row[r] += dkt[r];
-            }
-            if (p.gate_per_channel) {
-              std::memcpy(dg + (tok * HV + hv) * K, dgt.data(), K * sizeof(acc_t));
-            } else {
-              acc_t s = 0;
-              for (int64_t r = 0; r < K; ++r) s += dgt[r];
-              dg[tok * HV + hv] = s;
+          for (int64_t s = nsub - 1; s >= 0; --s) {
+            const int64_t s0 = t0 + s * Cs, slen = std::min(Cs, t0 + len - s0);
+            std::memcpy(states.data(), &subs[s * KV], KV * sizeof(acc_t));
+            recompute(s0, slen, h, hv);
+            for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
+              const int64_t tok = s0 + i;
+              load_decay(p, in.g, tok, hv, a.data());
+              load_row(in.k, tok, H, h, K, kv.data());
+              load_row(in.q, tok, H, h, K, qs.data());
+              for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
+              load_row(grad_o, tok, HV, hv, V, go.data());
+              reverse_step(&states[i * KV], dS.data(), K, V, a.data(),
+                           kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
+                           dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
+                           dbeta + tok * HV + hv, du_part.data(), dw.data());
+              acc_t* dq_row = dq + (tok * H + h) * K;
+              acc_t* dk_row = dk + (tok * H + h) * K;
+              for (int64_t r = 0; r < K; ++r) {
+                dq_row[r] += in.scale * dqt[r];
+                dk_row[r] += dkt[r];
+              }
+              if (p.gate_per_channel) {
+                std::memcpy(dg + (tok * HV + hv) * K, dgt.data(), K * sizeof(acc_t));
+              } else {
+                acc_t sum = 0;
+                for (int64_t r = 0; r < K; ++r) sum += dgt[r];
+                dg[tok * HV + hv] = sum;
+              }
             }
           }
         }
