@@ -71,20 +71,29 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
   }
 }
 
-// Column block [v0, v0 + nv) of a row-major [K, V] state <-> column-major [nv, K].
+// Row-major [K, V] state <-> column-major [V, K] scratch with column stride ld >= K.
 template <typename acc_t>
-inline void gather_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, int64_t nv,
-                           acc_t* dst) {
+inline void gather_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, acc_t* dst) {
   for (int64_t r = 0; r < K; ++r) {
-    for (int64_t j = 0; j < nv; ++j) dst[j * K + r] = src[r * V + v0 + j];
+    for (int64_t j = 0; j < V; ++j) dst[j * ld + r] = src[r * V + j];
   }
 }
 template <typename acc_t>
-inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t v0, int64_t nv,
-                            acc_t* dst) {
+inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, acc_t* dst) {
   for (int64_t r = 0; r < K; ++r) {
-    for (int64_t j = 0; j < nv; ++j) dst[r * V + v0 + j] = src[j * K + r];
+    for (int64_t j = 0; j < V; ++j) dst[r * V + j] = src[j * ld + r];
   }
+}
+
+// Column stride of the backward's column-major scratch states: K rounded up to a vector,
+// plus one vector when that is a multiple of 128 bytes. A power-of-two stride (K = 64, 128)
+// maps the same rows of all V columns onto a few L1 sets, and the row-block sweeps then
+// miss L1 on almost every access (the K = 128 backward ran 13x the forward's time).
+template <typename acc_t>
+inline int64_t padded_column_stride(int64_t K) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  const int64_t ld = (K + L - 1) / L * L;
+  return (ld * int64_t(sizeof(acc_t))) % 128 == 0 ? ld + L : ld;
 }
 
 // 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
@@ -125,45 +134,22 @@ inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                             acc_t* __restrict o) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  // Even and odd rows sum into separate accumulators: 2 * NV independent FMA chains keep
-  // both FMA pipes busy (one chain per vector would wait on the FMA latency).
-  vec w[NV] = {}, w2[NV] = {}, u[NV], out[NV] = {}, out2[NV] = {};
-  int64_t r = 0;
-  for (; r + 1 < K; r += 2) {
+  vec w[NV] = {}, u[NV], out[NV] = {};
+  for (int64_t r = 0; r < K; ++r) {
     const acc_t* s = S + r * ld;
-    const acc_t f = a[r] * kv[r], f2 = a[r + 1] * kv[r + 1];
-    for (int64_t n = 0; n < NV; ++n) {
-      w[n] += f * load_vec(s + n * L);
-      w2[n] += f2 * load_vec(s + ld + n * L);
-    }
-  }
-  if (r < K) {
     const acc_t f = a[r] * kv[r];
-    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(S + r * ld + n * L);
+    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(s + n * L);
   }
-  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - (w[n] + w2[n]));
-  for (r = 0; r + 1 < K; r += 2) {
+  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - w[n]);
+  for (int64_t r = 0; r < K; ++r) {
     acc_t* s = S + r * ld;
     const acc_t ar = a[r], kr = kv[r], qr = qs[r];
-    const acc_t ar2 = a[r + 1], kr2 = kv[r + 1], qr2 = qs[r + 1];
     for (int64_t n = 0; n < NV; ++n) {
       const vec x = ar * load_vec(s + n * L) + kr * u[n];
-      const vec x2 = ar2 * load_vec(s + ld + n * L) + kr2 * u[n];
       store_vec(s + n * L, x);
-      store_vec(s + ld + n * L, x2);
       out[n] += qr * x;
-      out2[n] += qr2 * x2;
     }
   }
-  if (r < K) {
-    acc_t* s = S + r * ld;
-    for (int64_t n = 0; n < NV; ++n) {
-      const vec x = a[r] * load_vec(s + n * L) + kv[r] * u[n];
-      store_vec(s + n * L, x);
-      out[n] += qs[r] * x;
-    }
-  }
-  for (int64_t n = 0; n < NV; ++n) out[n] += out2[n];
   std::memcpy(o, out, sizeof(out));
 }
 
@@ -196,11 +182,13 @@ template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
-  // Column blocks keep the state block in L1 (<= 32 KiB) and give every thread work.
+  // Column blocks keep the state block in half of a 32 KiB L1 (q, k, v and the output rows
+  // need the rest; a 32 KiB block for K = V = 128 ran at ~60% of the speed of 16 KiB ones)
+  // and give every thread work.
   const int64_t threads = at::get_num_threads();
   int64_t BV = V;
   auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
-  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 32768 || tasks_for(BV) < 2 * threads)) {
+  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 16384 || tasks_for(BV) < 2 * threads)) {
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
@@ -248,7 +236,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
 // outside, columns inside, like reverse_step.
 template <typename acc_t>
 inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, int64_t K,
-                           int64_t V, const acc_t* __restrict a, const acc_t* __restrict kv,
+                           int64_t V, int64_t ld, const acc_t* __restrict a, const acc_t* __restrict kv,
                            const acc_t* __restrict vv, acc_t b, acc_t* __restrict vw,
                            Vec256<acc_t>* __restrict w_part) {
   using vec = Vec256<acc_t>;
@@ -260,11 +248,11 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
   }
   for (int64_t rb = 0; rb < Kv; rb += L) {
     const vec f8 = load_vec(a + rb) * load_vec(kv + rb);
-    for (int64_t j = 0; j < V; ++j) w_part[j] += f8 * load_vec(src + j * K + rb);
+    for (int64_t j = 0; j < V; ++j) w_part[j] += f8 * load_vec(src + j * ld + rb);
   }
   for (int64_t r = Kv; r < K; ++r) {
     const acc_t f = a[r] * kv[r];
-    for (int64_t j = 0; j < V; ++j) vw[j] += f * src[j * K + r];
+    for (int64_t j = 0; j < V; ++j) vw[j] += f * src[j * ld + r];
   }
   for (int64_t j = 0; j < V; ++j) {
     acc_t w = vw[j];
@@ -274,12 +262,12 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
   for (int64_t rb = 0; rb < Kv; rb += L) {
     const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
     for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * K + rb;
+      const int64_t i = j * ld + rb;
       store_vec(dst + i, a8 * load_vec(src + i) + k8 * (b * vw[j]));
     }
   }
   for (int64_t r = Kv; r < K; ++r) {
-    for (int64_t j = 0; j < V; ++j) dst[j * K + r] = a[r] * src[j * K + r] + kv[r] * b * vw[j];
+    for (int64_t j = 0; j < V; ++j) dst[j * ld + r] = a[r] * src[j * ld + r] + kv[r] * b * vw[j];
   }
 }
 
@@ -299,7 +287,7 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
 // one's latency.
 template <typename acc_t>
 inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t K,
-                         int64_t V, const acc_t* __restrict a, const acc_t* __restrict kv,
+                         int64_t V, int64_t ld, const acc_t* __restrict a, const acc_t* __restrict kv,
                          const acc_t* __restrict qs, const acc_t* __restrict go,
                          const acc_t* __restrict vw, acc_t b, acc_t* __restrict dq,
                          acc_t* __restrict dk, acc_t* __restrict dg, acc_t* __restrict dv,
@@ -317,7 +305,7 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
     const vec q8 = load_vec(qs + rb), k8 = load_vec(kv + rb), a8 = load_vec(a + rb);
     vec dq8 = {}, dk8 = {}, dq8b = {}, dk8b = {};
     auto column = [&](int64_t j, vec& dqa, vec& dka) {
-      const int64_t i = j * K + rb;
+      const int64_t i = j * ld + rb;
       const acc_t goj = go[j], uj = b * vw[j];
       const vec St = a8 * load_vec(Sp + i) + k8 * uj;
       const vec d = load_vec(dS + i) + q8 * goj;
@@ -337,7 +325,7 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
   for (int64_t r = Kv; r < K; ++r) {
     acc_t dqr = 0, dkr = 0;
     for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * K + r;
+      const int64_t i = j * ld + r;
       const acc_t uj = b * vw[j];
       const acc_t St = a[r] * Sp[i] + kv[r] * uj;
       const acc_t d = dS[i] + qs[r] * go[j];
@@ -363,7 +351,7 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
     const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
     vec dk8 = load_vec(dk + rb), dg8 = {}, dk8b = {}, dg8b = {};
     auto column = [&](int64_t j, vec& dka, vec& dga) {
-      const int64_t i = j * K + rb;
+      const int64_t i = j * ld + rb;
       const vec P = a8 * load_vec(Sp + i);
       const vec dP = load_vec(dS + i) + k8 * dw[j];
       dka += dw[j] * P;
@@ -381,7 +369,7 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
   for (int64_t r = Kv; r < K; ++r) {
     acc_t dkr = dk[r], dgr = 0;
     for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * K + r;
+      const int64_t i = j * ld + r;
       const acc_t P = a[r] * Sp[i];
       const acc_t dP = dS[i] + kv[r] * dw[j];
       dkr += dw[j] * P;
@@ -399,6 +387,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                      acc_t* buf) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk, KV = K * V, G = p.group();
+  // Scratch states are column-major with a padded column stride; SV values each.
+  const int64_t ld = padded_column_stride<acc_t>(K), SV = V * ld;
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
@@ -406,14 +396,14 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   // into the same dq/dk rows, so no two threads write the same gradient.
   // Sub-chunk length: its states take at most 256 KiB (a quarter of a typical L2).
   const int64_t Cs =
-      std::clamp<int64_t>((int64_t(256) << 10) / (KV * int64_t(sizeof(acc_t))), 1, C);
+      std::clamp<int64_t>((int64_t(256) << 10) / (SV * int64_t(sizeof(acc_t))), 1, C);
   at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     // Two levels of recomputation keep the working set in L2: a chunk is first walked
     // forward from its checkpoint keeping only the state at every sub-chunk start (subs);
     // then each sub-chunk, last first, recomputes its Cs states (states[i] = S before its
     // token i) and runs the reverse recurrence over them. Costs one extra forward walk;
     // saves streaming C full states through L3/DRAM, which dominated for K = V = 128.
-    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * KV), states((Cs + 1) * KV), dS(KV), vws(Cs * V);
+    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * SV), states((Cs + 1) * SV), dS(SV), vws(Cs * V);
     AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K), dw(V);
     std::vector<Vec256<acc_t>> du_part(V);
     // Recomputes tokens [tok0, tok0 + count) from states[0], filling states[1..count], vws.
@@ -423,7 +413,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         load_decay(p, in.g, tok, hv, a.data());
         load_row(in.k, tok, H, h, K, kv.data());
         load_row(in.v, tok, HV, hv, V, vv.data());
-        recompute_step(&states[i * KV], &states[(i + 1) * KV], K, V, a.data(), kv.data(),
+        recompute_step(&states[i * SV], &states[(i + 1) * SV], K, V, ld, a.data(), kv.data(),
                        vv.data(), in.beta[tok * HV + hv], &vws[i * V], du_part.data());
       }
     };
@@ -435,22 +425,22 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       const int64_t nchunks = gdn_num_chunks(eos - bos, C);
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         if (grad_ht) {
-          gather_columns(grad_ht + (n * HV + hv) * KV, K, V, 0, V, dS.data());
+          gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
         } else {
           std::fill(dS.begin(), dS.end(), acc_t(0));
         }
         for (int64_t c = nchunks - 1; c >= 0; --c) {
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
           const int64_t nsub = gdn_num_chunks(len, Cs);
-          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, 0, V, subs.data());
+          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, ld, subs.data());
           for (int64_t s = 0; s + 1 < nsub; ++s) {
-            std::memcpy(states.data(), &subs[s * KV], KV * sizeof(acc_t));
+            std::memcpy(states.data(), &subs[s * SV], SV * sizeof(acc_t));
             recompute(t0 + s * Cs, Cs, h, hv);
-            std::memcpy(&subs[(s + 1) * KV], &states[Cs * KV], KV * sizeof(acc_t));
+            std::memcpy(&subs[(s + 1) * SV], &states[Cs * SV], SV * sizeof(acc_t));
           }
           for (int64_t s = nsub - 1; s >= 0; --s) {
             const int64_t s0 = t0 + s * Cs, slen = std::min(Cs, t0 + len - s0);
-            std::memcpy(states.data(), &subs[s * KV], KV * sizeof(acc_t));
+            std::memcpy(states.data(), &subs[s * SV], SV * sizeof(acc_t));
             recompute(s0, slen, h, hv);
             for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
               const int64_t tok = s0 + i;
@@ -459,7 +449,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               load_row(in.q, tok, H, h, K, qs.data());
               for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
               load_row(grad_o, tok, HV, hv, V, go.data());
-              reverse_step(&states[i * KV], dS.data(), K, V, a.data(),
+              reverse_step(&states[i * SV], dS.data(), K, V, ld, a.data(),
                            kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
                            dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
                            dbeta + tok * HV + hv, du_part.data(), dw.data());
@@ -479,7 +469,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             }
           }
         }
-        if (dstate) scatter_columns(dS.data(), K, V, 0, V, dstate + (n * HV + hv) * KV);
+        if (dstate) scatter_columns(dS.data(), K, V, ld, dstate + (n * HV + hv) * KV);
       }
     }
   });
