@@ -38,7 +38,8 @@ def reference_in_float64(x, indices, codebook, s, b):
 
 
 # Row counts reach every batch-tile shape of the CPU kernel (1, 8, 16 and 32 rows per tile);
-# 70 rows with N = 37 take the dense (dequantize + GEMM) path, 70 x 700 the lookup table.
+# 70 rows with N = 37 take the dense (dequantize + GEMM) path, 70 x 700 the lookup table;
+# few rows with many groups split K into chunks.
 SHAPES = [
     # rows, N, K/D, D, E, M
     (1, 37, 5, 8, 256, 1),
@@ -49,6 +50,9 @@ SHAPES = [
     (70, 37, 6, 8, 256, 2),
     (70, 700, 6, 8, 64, 1),
     ((2, 3, 7), 15, 4, 16, 31, 1),
+    # K split into several group chunks (the last one short), reduced in chunk order.
+    (3, 29, 70, 8, 256, 2),
+    (1, 45, 300, 4, 40, 1),
 ]
 
 

@@ -9,7 +9,9 @@
 #include <rlx/codebook.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 namespace rlx::codebook::cpu {
@@ -23,8 +25,16 @@ struct AccType<double> {
   using type = double;
 };
 
+// Fully unrolls a loop over a compile-time count, so that its vector accumulators stay in
+// registers (GCC otherwise keeps the arrays on the stack and copies them around).
+#if defined(__clang__)
+#define RLX_UNROLL _Pragma("unroll")
+#else
+#define RLX_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 inline constexpr int64_t kLutBlockBytes = 256 * 1024;       // table block per work item: stays in L2
-inline constexpr int64_t kLutBlockBytesOneRow = 16 * 1024;  // one-row tables: stay in L1
+inline constexpr int64_t kLutBlockBytesOneRow = 64 * 1024;  // one-row tables: 64 groups
 inline constexpr int64_t kDenseTileBytes = 4 << 20;    // dequantized weight tile (dense path)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -32,7 +42,9 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
 inline int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
   const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
-  // One batch row reads 4 bytes of each 64-byte table line: keep its table in L1 instead.
+  // One batch row reads 4 bytes of a table line per lookup: a smaller block, 64 groups, so
+  // that each pass over the rows reads whole 64-byte lines of indices (measured faster than
+  // an L1-sized 16-group block, which reads each index line in four passes).
   const int64_t bytes = bt == 1 ? kLutBlockBytesOneRow : kLutBlockBytes;
   return std::clamp<int64_t>(bytes / per_group, 1, std::max<int64_t>(d.groups, 1));
 }
@@ -97,13 +109,18 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t t = 0; t < D; ++t) {
             const acc_t* xr = xT + (g * D + t) * BT;
             V xv[NV];
+            RLX_UNROLL
             for (int v = 0; v < NV; ++v) xv[v] = load_vec<V>(xr + v * W);
+            RLX_UNROLL
             for (int q = 0; q < CB; ++q) {
               const acc_t w = entry[q * D + t];
+              RLX_UNROLL
               for (int v = 0; v < NV; ++v) a[q][v] += w * xv[v];
             }
           }
+          RLX_UNROLL
           for (int q = 0; q < CB; ++q)
+            RLX_UNROLL
             for (int v = 0; v < NV; ++v) store_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
         }
         for (; c < E; ++c) {
@@ -112,8 +129,10 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t t = 0; t < D; ++t) {
             const acc_t w = entry[t];
             const acc_t* xr = xT + (g * D + t) * BT;
+            RLX_UNROLL
             for (int v = 0; v < NV; ++v) a[v] += w * load_vec<V>(xr + v * W);
           }
+          RLX_UNROLL
           for (int v = 0; v < NV; ++v) store_vec(Lgm + c * BT + v * W, a[v]);
         }
       }
@@ -131,27 +150,36 @@ void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
   if constexpr (BT == 1) {
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {
-      acc_t a[JT];
+      // Two add chains per row (even and odd steps): 2*JT independent chains hide the add
+      // latency, which would otherwise cap the lookups at JT per add latency.
+      acc_t a[2][JT];
       const uint8_t* ip[JT];
+      RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
-        a[q] = acc[j + q - j0];
+        a[0][q] = acc[j + q - j0];
+        a[1][q] = acc_t(0);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       int64_t gm = 0;
       // Eight index bytes per load, unpacked with shifts: one load per table lookup, not two.
       for (; gm + 8 <= steps; gm += 8) {
         uint64_t packed[JT];
+        RLX_UNROLL
         for (int q = 0; q < JT; ++q) std::memcpy(&packed[q], ip[q] + gm, 8);
+        RLX_UNROLL
         for (int k = 0; k < 8; ++k) {
           const acc_t* Lgm = L + (gm + k) * E;
-          for (int q = 0; q < JT; ++q) a[q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
+          RLX_UNROLL
+          for (int q = 0; q < JT; ++q) a[k & 1][q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
         }
       }
       for (; gm < steps; ++gm) {
         const acc_t* Lgm = L + gm * E;
-        for (int q = 0; q < JT; ++q) a[q] += Lgm[ip[q][gm]];
+        RLX_UNROLL
+        for (int q = 0; q < JT; ++q) a[0][q] += Lgm[ip[q][gm]];
       }
-      for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[q];
+      RLX_UNROLL
+      for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[0][q] + a[1][q];
     }
     for (; j < j1; ++j) {
       acc_t a = acc[j - j0];
@@ -166,28 +194,37 @@ void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
     for (; j + JT <= j1; j += JT) {
       V a[JT][NV];
       const uint8_t* ip[JT];
+      RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
+        RLX_UNROLL
         for (int v = 0; v < NV; ++v) a[q][v] = load_vec<V>(acc + (j + q - j0) * BT + v * W);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* Lgm = L + gm * E * BT;
+        RLX_UNROLL
         for (int q = 0; q < JT; ++q) {
           const acc_t* r = Lgm + ip[q][gm] * BT;
+          RLX_UNROLL
           for (int v = 0; v < NV; ++v) a[q][v] += load_vec<V>(r + v * W);
         }
       }
+      RLX_UNROLL
       for (int q = 0; q < JT; ++q)
+        RLX_UNROLL
         for (int v = 0; v < NV; ++v) store_vec(acc + (j + q - j0) * BT + v * W, a[q][v]);
     }
     for (; j < j1; ++j) {
       V a[NV];
+      RLX_UNROLL
       for (int v = 0; v < NV; ++v) a[v] = load_vec<V>(acc + (j - j0) * BT + v * W);
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* r = L + (gm * E + ip[gm]) * BT;
+        RLX_UNROLL
         for (int v = 0; v < NV; ++v) a[v] += load_vec<V>(r + v * W);
       }
+      RLX_UNROLL
       for (int v = 0; v < NV; ++v) store_vec(acc + (j - j0) * BT + v * W, a[v]);
     }
   }
@@ -207,6 +244,17 @@ struct CodebookAcc {
   const acc_t* dataT() const { return cbT.data_ptr<acc_t>(); }
 };
 
+// Work items are (batch tile, group chunk) pairs; the chunk count is derived from the shape
+// alone, never from the thread count, so every thread count gives bitwise the same result.
+inline constexpr int64_t kMinWorkItems = 8;
+
+// Group chunks for num_tiles batch tiles: split K only when there are too few tiles to keep
+// the threads busy. Splitting K (not N) builds every table entry exactly once; the price is a
+// chunk-ordered reduction of per-chunk partial outputs ([N][BT] each).
+inline int64_t group_chunks(int64_t num_tiles, int64_t num_blocks) {
+  return std::clamp<int64_t>(ceil_div(kMinWorkItems, num_tiles), 1, num_blocks);
+}
+
 // out[b, j] = s_j * raw[b, j] + bias_j (scales/bias may be null), out_t is scalar_t or acc_t.
 template <typename scalar_t, typename acc_t, typename out_t, int BT, int JT>
 void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const CodebookAcc<acc_t>& C,
@@ -215,32 +263,55 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
   const int64_t M = d.num_codebooks, E = d.num_entries;
   if (B == 0 || N == 0) return;
   const int64_t num_tiles = ceil_div(B, BT);
-  // Split the outputs only when there are too few batch tiles to keep every thread busy;
-  // each split rebuilds the table, so never more splits than needed.
-  const int64_t want = at::get_num_threads();
-  const int64_t splits = std::clamp<int64_t>(ceil_div(want, num_tiles), 1, ceil_div(N, 64));
-  const int64_t rows_per_split = ceil_div(N, splits);
   const int64_t gpb = groups_per_block(d, BT, sizeof(acc_t));
+  const int64_t num_blocks = std::max<int64_t>(1, ceil_div(d.groups, gpb));
+  const int64_t blocks_per_chunk = ceil_div(num_blocks, group_chunks(num_tiles, num_blocks));
+  const int64_t chunks = ceil_div(num_blocks, blocks_per_chunk);
   const acc_t* cb = C.data();
   const acc_t* cbT = C.dataT();
-  at::parallel_for(0, num_tiles * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> xT(gpb * D * BT), L(gpb * M * E * BT), acc(rows_per_split * BT);
-    for (int64_t w = begin; w < end; ++w) {
-      const int64_t b0 = (w / splits) * BT, nb = std::min<int64_t>(BT, B - b0);
-      const int64_t j0 = (w % splits) * rows_per_split, j1 = std::min(N, j0 + rows_per_split);
-      if (j0 >= j1) continue;
-      std::fill(acc.begin(), acc.end(), acc_t(0));
-      for (int64_t g0 = 0; g0 < d.groups; g0 += gpb) {
-        const int64_t ng = std::min(gpb, d.groups - g0);
+  // out[b0 + b, j] = raw * s_j + bias_j for j in [j0, j1), raw = acc[j - j0][b].
+  const auto write_out = [&](const acc_t* acc, int64_t b0, int64_t nb, int64_t j0, int64_t j1) {
+    for (int64_t j = j0; j < j1; ++j) {
+      const acc_t s = scales ? static_cast<acc_t>(scales[j]) : acc_t(1);
+      const acc_t bj = bias ? static_cast<acc_t>(bias[j]) : acc_t(0);
+      for (int64_t b = 0; b < nb; ++b)
+        out[(b0 + b) * N + j] = static_cast<out_t>(acc[(j - j0) * BT + b] * s + bj);
+    }
+  };
+  // partial[tile][chunk][j][b] when K is split; otherwise each item writes out directly.
+  // The item that finishes a tile's last chunk sums that tile's partials in chunk order (same
+  // bits whoever does it), which saves a second parallel region and its barrier.
+  std::vector<acc_t> partial(chunks > 1 ? num_tiles * chunks * N * BT : 0);
+  std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[num_tiles]());
+  // Items are claimed dynamically: a thread that starts late (a busy machine, a sleeping pool
+  // thread) finds them done instead of holding everyone up with its static share.
+  const int64_t items = num_tiles * chunks;
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    std::vector<acc_t> xT(gpb * D * BT), L(gpb * M * E * BT);
+    std::vector<acc_t> own(chunks > 1 ? 0 : N * BT);
+    for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      const int64_t tile = w / chunks, chunk = w % chunks;
+      const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
+      acc_t* acc = chunks > 1 ? partial.data() + w * N * BT : own.data();
+      std::fill(acc, acc + N * BT, acc_t(0));
+      const int64_t g_begin = chunk * blocks_per_chunk * gpb;
+      const int64_t g_end = std::min(d.groups, g_begin + blocks_per_chunk * gpb);
+      for (int64_t g0 = g_begin; g0 < g_end; g0 += gpb) {
+        const int64_t ng = std::min(gpb, g_end - g0);
         load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
         build_table<acc_t, BT>(d, cb, cbT, xT.data(), ng, L.data());
-        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, j0, j1, acc.data());
+        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
       }
-      for (int64_t j = j0; j < j1; ++j) {
-        const acc_t s = scales ? static_cast<acc_t>(scales[j]) : acc_t(1);
-        const acc_t bj = bias ? static_cast<acc_t>(bias[j]) : acc_t(0);
-        for (int64_t b = 0; b < nb; ++b)
-          out[(b0 + b) * N + j] = static_cast<out_t>(acc[(j - j0) * BT + b] * s + bj);
+      if (chunks == 1) {
+        write_out(acc, b0, nb, 0, N);
+      } else if (done[tile].fetch_add(1, std::memory_order_acq_rel) == chunks - 1) {
+        acc_t* first = partial.data() + tile * chunks * N * BT;
+        for (int64_t c = 1; c < chunks; ++c) {
+          const acc_t* p = first + c * N * BT;
+          for (int64_t i = 0; i < N * BT; ++i) first[i] += p[i];
+        }
+        write_out(first, b0, nb, 0, N);
       }
     }
   });
@@ -254,7 +325,7 @@ void with_tile_shape(int64_t B, F&& f) {
   } else if (B <= 8) {
     f.template operator()<8, 4>();
   } else if (B <= 24) {
-    f.template operator()<16, 2>();
+    f.template operator()<16, 4>();
   } else {
     f.template operator()<32, 1>();
   }
