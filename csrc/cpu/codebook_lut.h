@@ -150,14 +150,11 @@ void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
   if constexpr (BT == 1) {
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {
-      // Two add chains per row (even and odd steps): 2*JT independent chains hide the add
-      // latency, which would otherwise cap the lookups at JT per add latency.
-      acc_t a[2][JT];
+      acc_t a[JT];
       const uint8_t* ip[JT];
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
-        a[0][q] = acc[j + q - j0];
-        a[1][q] = acc_t(0);
+        a[q] = acc[j + q - j0];
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       int64_t gm = 0;
@@ -170,16 +167,16 @@ void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
         for (int k = 0; k < 8; ++k) {
           const acc_t* Lgm = L + (gm + k) * E;
           RLX_UNROLL
-          for (int q = 0; q < JT; ++q) a[k & 1][q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
+          for (int q = 0; q < JT; ++q) a[q] += Lgm[(packed[q] >> (8 * k)) & 0xff];
         }
       }
       for (; gm < steps; ++gm) {
         const acc_t* Lgm = L + gm * E;
         RLX_UNROLL
-        for (int q = 0; q < JT; ++q) a[0][q] += Lgm[ip[q][gm]];
+        for (int q = 0; q < JT; ++q) a[q] += Lgm[ip[q][gm]];
       }
       RLX_UNROLL
-      for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[0][q] + a[1][q];
+      for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[q];
     }
     for (; j < j1; ++j) {
       acc_t a = acc[j - j0];
@@ -321,7 +318,7 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
 template <typename F>
 void with_tile_shape(int64_t B, F&& f) {
   if (B <= 2) {
-    f.template operator()<1, 4>();
+    f.template operator()<1, 8>();
   } else if (B <= 8) {
     f.template operator()<8, 4>();
   } else if (B <= 24) {
