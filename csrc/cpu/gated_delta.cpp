@@ -182,13 +182,12 @@ template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
-  // Column blocks keep the state block in half of a 32 KiB L1 (q, k, v and the output rows
-  // need the rest; a 32 KiB block for K = V = 128 ran at ~60% of the speed of 16 KiB ones)
-  // and give every thread work.
+  // Column blocks keep the state block in L1 (<= 32 KiB; 16 KiB blocks measured ~20%
+  // slower for K = V = 128: twice the passes over q and k) and give every thread work.
   const int64_t threads = at::get_num_threads();
   int64_t BV = V;
   auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
-  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 16384 || tasks_for(BV) < 2 * threads)) {
+  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 32768 || tasks_for(BV) < 2 * threads)) {
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
