@@ -183,7 +183,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
   // Column blocks keep the state block in L1 (<= 32 KiB; 16 KiB blocks measured ~20%
-  // slower for K = V = 128: twice the passes over q and k) and give every thread work.
+  // slower on one thread for K = V = 128) and give every thread work.
   const int64_t threads = at::get_num_threads();
   int64_t BV = V;
   auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
