@@ -34,7 +34,7 @@ struct AccType<double> {
 #endif
 
 inline constexpr int64_t kLutBlockBytes = 256 * 1024;       // table block per work item: stays in L2
-inline constexpr int64_t kLutBlockBytesOneRow = 64 * 1024;  // one-row tables: 64 groups
+inline constexpr int64_t kLutBlockBytesOneRow = 64 * 1024;  // one-row tables (see below)
 inline constexpr int64_t kDenseTileBytes = 4 << 20;    // dequantized weight tile (dense path)
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -42,9 +42,10 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
 inline int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
   const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
-  // One batch row reads 4 bytes of a table line per lookup: a smaller block, 64 groups, so
-  // that each pass over the rows reads whole 64-byte lines of indices (measured faster than
-  // an L1-sized 16-group block, which reads each index line in four passes).
+  // One batch row reads 4 bytes of a table line per lookup: a smaller block (64 groups for
+  // E = 256 float entries), so that each pass over the rows reads whole 64-byte lines of
+  // indices (measured faster than an L1-sized 16 KiB block, which reads each index line in
+  // four passes, and than 32/128/256 KiB blocks).
   const int64_t bytes = bt == 1 ? kLutBlockBytesOneRow : kLutBlockBytes;
   return std::clamp<int64_t>(bytes / per_group, 1, std::max<int64_t>(d.groups, 1));
 }
