@@ -233,10 +233,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask) {
-  const Dims d = check_inputs(x, indices, codebook, scales, std::nullopt);
-  check_grad_out(grad_out, x, d);
-  TORCH_CHECK_VALUE(!mask[2] || scales.has_value(),
-                    "codebook_matmul_backward: output_mask[2] (grad_scales) needs scales");
+  const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
   check_index_range(indices, d);
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };

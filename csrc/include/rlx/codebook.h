@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <array>
 #include <optional>
 
 namespace rlx::codebook {
@@ -103,6 +104,19 @@ inline void check_grad_out(const at::Tensor& grad_out, const at::Tensor& x, cons
   TORCH_CHECK_VALUE(grad_out.device() == x.device(),
                     "codebook_matmul_backward: grad_out must be on x's device ", x.device(),
                     ", got ", grad_out.device());
+}
+
+// Every check of codebook_matmul_backward (the forward's, grad_out's and the mask's), for
+// every backend; returns the problem's dimensions.
+inline Dims check_backward_inputs(const at::Tensor& grad_out, const at::Tensor& x,
+                                  const at::Tensor& indices, const at::Tensor& codebook,
+                                  const std::optional<at::Tensor>& scales,
+                                  std::array<bool, 4> mask) {
+  const Dims d = check_inputs(x, indices, codebook, scales, std::nullopt);
+  check_grad_out(grad_out, x, d);
+  TORCH_CHECK_VALUE(!mask[2] || scales.has_value(),
+                    "codebook_matmul_backward: output_mask[2] (grad_scales) needs scales");
+  return d;
 }
 
 // Output shape [..., N].

@@ -86,6 +86,19 @@ inline uint32_t codebook_stage_bytes(const CodebookParams& p) {
 
 inline bool codebook_use_matvec(const CodebookShape& s) { return s.rows <= kCodebookMvMaxRows; }
 
+// The tiled (large-batch) kernels: one threadgroup per kCodebookTile x kCodebookTile output
+// tile of [rows, cols], two padded tiles of staging memory plus the staged codebook.
+inline void set_tiled_launch(Launch& l, int64_t cols, int64_t rows, const CodebookParams& p) {
+  l.threadgroups = {ceil_div(uint64_t(cols), kCodebookTile), ceil_div(uint64_t(rows), kCodebookTile),
+                    1};
+  l.threads = {kCodebookTileThreads, 1, 1};
+  const uint32_t tile = threadgroup_bytes(kCodebookTile * (kCodebookTile + 1) * 4);
+  l.threadgroup_memory[0] = tile;
+  l.threadgroup_memory[1] = tile;
+  l.threadgroup_memory[2] = codebook_stage_bytes(p);
+  l.n_threadgroup_memory = 3;
+}
+
 // Forward: out = scales * (x @ W^T) + bias. float_out: float32 output (the grad_scales
 // recomputation of the unscaled product; then has_scales/has_bias are cleared).
 inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out = false) {
@@ -109,14 +122,7 @@ inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out
     l.n_threadgroup_memory = 1;
   } else {
     l.kernel = codebook_kernel(float_out ? mm_y : mm_names, s.dtype);
-    l.threadgroups = {ceil_div(uint64_t(s.out_features), kCodebookTile),
-                      ceil_div(uint64_t(s.rows), kCodebookTile), 1};
-    l.threads = {kCodebookTileThreads, 1, 1};
-    const uint32_t tile = threadgroup_bytes(kCodebookTile * (kCodebookTile + 1) * 4);
-    l.threadgroup_memory[0] = tile;
-    l.threadgroup_memory[1] = tile;
-    l.threadgroup_memory[2] = codebook_stage_bytes(plan.params);
-    l.n_threadgroup_memory = 3;
+    set_tiled_launch(l, s.out_features, s.rows, plan.params);
   }
   l.params_index = 6;
   return plan;
@@ -140,14 +146,7 @@ inline CodebookPlan plan_codebook_dx(const CodebookShape& s) {
     l.n_threadgroup_memory = 1;
   } else {
     l.kernel = codebook_kernel(mm_names, s.dtype);
-    l.threadgroups = {ceil_div(uint64_t(s.in_features), kCodebookTile),
-                      ceil_div(uint64_t(s.rows), kCodebookTile), 1};
-    l.threads = {kCodebookTileThreads, 1, 1};
-    const uint32_t tile = threadgroup_bytes(kCodebookTile * (kCodebookTile + 1) * 4);
-    l.threadgroup_memory[0] = tile;
-    l.threadgroup_memory[1] = tile;
-    l.threadgroup_memory[2] = codebook_stage_bytes(plan.params);
-    l.n_threadgroup_memory = 3;
+    set_tiled_launch(l, s.in_features, s.rows, plan.params);
   }
   l.params_index = 5;
   return plan;
