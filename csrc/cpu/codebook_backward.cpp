@@ -23,9 +23,9 @@ int64_t backward_groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
 
 // gT[tile][j][b] = grad[b0 + b, j] * s_j in acc_t, zero rows past the batch.
 template <typename scalar_t, typename acc_t, int BT>
-std::vector<acc_t> scaled_grad_tiles(const Dims& d, const scalar_t* grad, const scalar_t* scales) {
+LineVector<acc_t> scaled_grad_tiles(const Dims& d, const scalar_t* grad, const scalar_t* scales) {
   const int64_t B = d.rows, N = d.out_features, num_tiles = ceil_div(B, BT);
-  std::vector<acc_t> gT(num_tiles * N * BT, acc_t(0));
+  LineVector<acc_t> gT(num_tiles * N * BT, acc_t(0));
   at::parallel_for(0, num_tiles, 1, [&](int64_t begin, int64_t end) {
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
@@ -166,10 +166,10 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   const int64_t B = d.rows, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
   const int64_t num_tiles = ceil_div(B, BT), num_blocks = ceil_div(d.groups, gpb);
-  const std::vector<acc_t> gT = scaled_grad_tiles<scalar_t, acc_t, BT>(d, grad, scales);
+  const LineVector<acc_t> gT = scaled_grad_tiles<scalar_t, acc_t, BT>(d, grad, scales);
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-    std::vector<acc_t> dL(gpb * M * E * BT), xT(gpb * D * BT);
-    std::vector<acc_t> wide(dc_parts ? MED * BT : 0);
+    LineVector<acc_t> dL(gpb * M * E * BT), xT(gpb * D * BT);
+    LineVector<acc_t> wide(dc_parts ? MED * BT : 0);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t g0 = blk * gpb, ng = std::min(gpb, d.groups - g0);
       std::fill(wide.begin(), wide.end(), acc_t(0));
