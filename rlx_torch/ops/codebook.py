@@ -108,4 +108,10 @@ def codebook_matmul(x, indices, codebook, scales=None, bias=None):
     Returns ``[..., N]`` in x's dtype. Differentiable in x, codebook, scales and bias (first
     order); the small-batch path never builds the dense N x K weight.
     """
-    return CodebookMatmul.apply(x, indices, codebook, scales, bias)
+    # Without autograd the op is called directly: Function.apply costs ~25 us per call, a
+    # twentieth of a 4096 x 4096 one-row product.
+    if torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, codebook, scales, bias)
+    ):
+        return CodebookMatmul.apply(x, indices, codebook, scales, bias)
+    return torch.ops.rlx.codebook_matmul(x, indices, codebook, scales, bias)
