@@ -111,6 +111,22 @@ def test_large_states_use_several_sub_chunks():
         assert rel_rms(ours[name], expected) < TOL[torch.float64], name
 
 
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_lazy_decay_renormalization_matches_reference(per_channel):
+    # Both directions keep the state (dS) scaled by accumulated decays and renormalize them
+    # before they leave [2^-20, 2^20]: usual decays cross that every ~100 tokens, a run of
+    # g = +0.05 crosses the upper bound, and g = -30 forces it on every token.
+    T = 700
+    inputs = make_inputs(B=1, T=T, H=1, HV=2, K=12, V=20, per_channel=per_channel, state=True,
+                         dtype=torch.float64)
+    g = inputs["g"]
+    g[:, 200:500] = 0.05
+    g[:, 600:610] = -30.0
+    ours, ref = run_both(inputs)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[torch.float64], name
+
+
 def test_l2norm_and_scale_match_reference():
     inputs = make_inputs(T=40, normalize_k=False, state=True)
     ours, ref = run_both(inputs, use_qk_l2norm=True, scale=0.3)

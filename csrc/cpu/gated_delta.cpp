@@ -6,11 +6,17 @@
 // Forward: parallel over (sequence, hv, V-block) -- the columns of S evolve independently --
 // and keeps S every C tokens in the checkpoint buffer (gdn_backward_layout.h).
 // Backward: parallel over (sequence, q/k head); for each value head of the group it walks
-// the chunks backwards, recomputes the chunk's states from its checkpoint in L2-sized
-// sub-chunks (see backward_kernel), and runs the reverse recurrence for dS over them. dq/dk of a group are summed over its
-// value heads in a fixed order, so results are bitwise reproducible.
+// the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
+// when they are very large, see backward_kernel), and runs the reverse recurrence for dS
+// over them. dq/dk of a group are summed over its value heads in a fixed order, so results
+// are bitwise reproducible.
+// Both directions stream the state once per token: each pass also accumulates the next
+// token's state projection (software pipelining), and the state (forward) and dS
+// (backward) are kept lazily decayed, scaled by per-row factors in [2^-20, 2^20] that are
+// renormalized before they leave that range (see TokenCoeffs, ReverseRows).
 // The only exponentials are exp(g_t) of the inputs themselves (<= 1 for the log-space
-// decays g <= 0 the op is meant for); nothing is ever divided by a decay.
+// decays g <= 0 the op is meant for); nothing is divided by a decay, only by those
+// bounded scale factors.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -126,62 +132,103 @@ inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
   std::memcpy(p, &x, sizeof(x));
 }
 
-// NV vectors (NV * 32 bytes of columns) per call, accumulators held in vector registers.
-template <int64_t NV, typename acc_t>
-inline void step_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
-                            const acc_t* __restrict a, const acc_t* __restrict kv,
-                            const acc_t* __restrict qs, const acc_t* __restrict vv, acc_t b,
-                            acc_t* __restrict o) {
+// Rows of consecutive tokens lie H*K (HV*V) elements apart, often a page or more: the
+// hardware prefetchers do not follow that stride, and each token then waits on a few cache
+// misses (~1/3 of the K = V = 128 forward's time). Prefetching a few tokens ahead hides them.
+constexpr int64_t kPrefetchTokens = 4;
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+// Forward, one pass over the state per token. The state block is kept lazily decayed,
+// S = diag(c) St (c: one factor per key row), so that a token costs three FMAs per state
+// element instead of a multiply and three FMAs:
+//   P = diag(a) S = diag(a c) St;  with c' = a c:  S_t = diag(c') (St + diag(1/c') k u^T)
+//   so  St <- St + kk u^T, kk = k / c'   (no multiply by the decay)
+//       o_t = scale S_t^T q = St^T (scale c' q)
+// c' is kept in [2^-20, 2^20], where 1/c' and the rescaled St stay far from
+// overflow/underflow; a token that would leave it (a strong decay: g = -30 does on every
+// token, the usual decays every ~100) renormalizes instead, St <- diag(a c) St + k u^T, c = 1,
+// which is the plain recurrence. Software pipelining: while a row of S_t is written, the
+// next token's w = P_{t+1}^T k_{t+1} = St^T (a_{t+1} c' k_{t+1}) accumulates from it, so
+// each token streams the state block once.
+template <typename acc_t>
+struct TokenCoeffs {
+  const acc_t *alpha;  // a c, the renormalizing step's row factors
+  const acc_t *kk;     // k / c' (k when renormalizing)
+  const acc_t *qq;     // scale c' q
+  const acc_t *ff;     // next token's a c' k (zero after the last token)
+};
+
+// NV vectors of columns; x = St row after the update.
+template <int64_t NV, bool kRenorm, typename acc_t>
+inline void fused_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
+                             const TokenCoeffs<acc_t>& cf, const acc_t* __restrict u,
+                             acc_t* __restrict o, acc_t* __restrict w) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  vec w[NV] = {}, u[NV], out[NV] = {};
-  for (int64_t r = 0; r < K; ++r) {
-    const acc_t* s = S + r * ld;
-    const acc_t f = a[r] * kv[r];
-    for (int64_t n = 0; n < NV; ++n) w[n] += f * load_vec(s + n * L);
-  }
-  for (int64_t n = 0; n < NV; ++n) u[n] = b * (load_vec(vv + n * L) - w[n]);
+  vec uu[NV], out[NV] = {}, wn[NV] = {};
+  for (int64_t n = 0; n < NV; ++n) uu[n] = load_vec(u + n * L);
   for (int64_t r = 0; r < K; ++r) {
     acc_t* s = S + r * ld;
-    const acc_t ar = a[r], kr = kv[r], qr = qs[r];
+    const acc_t kr = cf.kk[r], qr = cf.qq[r], fr = cf.ff[r];
     for (int64_t n = 0; n < NV; ++n) {
-      const vec x = ar * load_vec(s + n * L) + kr * u[n];
+      const vec old = load_vec(s + n * L);
+      const vec x = (kRenorm ? cf.alpha[r] * old : old) + kr * uu[n];
       store_vec(s + n * L, x);
       out[n] += qr * x;
+      wn[n] += fr * x;
     }
   }
   std::memcpy(o, out, sizeof(out));
+  std::memcpy(w, wn, sizeof(wn));
 }
 
-// Tail columns (fewer than one vector), one at a time.
-template <typename acc_t>
-inline void step_rows_column(acc_t* S, int64_t K, int64_t ld, const acc_t* a, const acc_t* kv,
-                             const acc_t* qs, acc_t vj, acc_t b, acc_t* o) {
-  acc_t w = 0, out = 0;
-  for (int64_t r = 0; r < K; ++r) w += a[r] * kv[r] * S[r * ld];
-  const acc_t u = b * (vj - w);
+// Tail columns (fewer than one vector), one at a time, with the same arithmetic per column.
+template <bool kRenorm, typename acc_t>
+inline void fused_rows_column(acc_t* S, int64_t K, int64_t ld, const TokenCoeffs<acc_t>& cf,
+                              acc_t uj, acc_t* o, acc_t* w) {
+  acc_t out = 0, wn = 0;
   for (int64_t r = 0; r < K; ++r) {
-    const acc_t x = a[r] * S[r * ld] + kv[r] * u;
+    const acc_t x = (kRenorm ? cf.alpha[r] * S[r * ld] : S[r * ld]) + cf.kk[r] * uj;
     S[r * ld] = x;
-    out += qs[r] * x;
+    out += cf.qq[r] * x;
+    wn += cf.ff[r] * x;
   }
   *o = out;
+  *w = wn;
 }
 
-template <typename acc_t>
-inline void step_rows(acc_t* S, int64_t K, int64_t nv, const acc_t* a, const acc_t* kv,
-                      const acc_t* qs, const acc_t* vv, acc_t b, acc_t* o) {
+template <bool kRenorm, typename acc_t>
+inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>& cf,
+                       const acc_t* u, acc_t* o, acc_t* w) {
   constexpr int64_t L = 32 / sizeof(acc_t);
   int64_t j = 0;
-  for (; j + 4 * L <= nv; j += 4 * L) step_rows_block<4>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
-  for (; j + L <= nv; j += L) step_rows_block<1>(S + j, K, nv, a, kv, qs, vv + j, b, o + j);
-  for (; j < nv; ++j) step_rows_column(S + j, K, nv, a, kv, qs, vv[j], b, o + j);
+  for (; j + 4 * L <= nv; j += 4 * L) {
+    fused_rows_block<4, kRenorm>(S + j, K, nv, cf, u + j, o + j, w + j);
+  }
+  for (; j + 2 * L <= nv; j += 2 * L) {
+    fused_rows_block<2, kRenorm>(S + j, K, nv, cf, u + j, o + j, w + j);
+  }
+  for (; j + L <= nv; j += L) fused_rows_block<1, kRenorm>(S + j, K, nv, cf, u + j, o + j, w + j);
+  for (; j < nv; ++j) fused_rows_column<kRenorm>(S + j, K, nv, cf, u[j], o + j, w + j);
+}
+
+// w = S^T f over nv columns of a row-major block: the first token's w, before the pipeline.
+template <typename acc_t>
+inline void project_rows(const acc_t* S, int64_t K, int64_t nv, const acc_t* f, acc_t* w) {
+  std::fill(w, w + nv, acc_t(0));
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t j = 0; j < nv; ++j) w[j] += f[r] * S[r * nv + j];
+  }
 }
 
 template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
-  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, C = p.chunk;
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
+  const int64_t C = p.chunk;
   // Column blocks keep the state block in L1 (<= 32 KiB; 16 KiB blocks measured ~20%
   // slower on one thread for K = V = 128) and give every thread work.
   const int64_t threads = at::get_num_threads();
@@ -191,8 +238,10 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
+  const acc_t lo = std::ldexp(acc_t(1), -20), hi = std::ldexp(acc_t(1), 20);
   at::parallel_for(0, p.num_seqs * HV * nvb, 1, [&](int64_t begin, int64_t end) {
-    AccVec<acc_t> S(K * BV), a(K), kv(K), qs(K), vv(BV), o(BV);
+    AccVec<acc_t> S(K * BV), c(K), a(K), alpha(K), kk(K), qq(K), ff(K), u(BV), o(BV), w(BV);
+    const TokenCoeffs<acc_t> cf{alpha.data(), kk.data(), qq.data(), ff.data()};
     for (int64_t task = begin; task < end; ++task) {
       const int64_t vb = task % nvb, hv = (task / nvb) % HV, n = task / (nvb * HV);
       const int64_t h = hv / p.group(), v0 = vb * BV, nv = std::min(BV, V - v0);
@@ -205,23 +254,83 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
           S[r * nv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
         }
       }
-      auto store_state = [&](acc_t* dst) {
+      // c: one factor per key row for a per-channel gate, the scalar c0 for a per-head one.
+      std::fill(c.begin(), c.end(), acc_t(1));
+      acc_t c0 = 1, a0 = 1;  // a0: the per-head gate's a of the next token
+      auto store_state = [&](acc_t* dst) {  // S = diag(c) St
         for (int64_t r = 0; r < K; ++r) {
-          std::memcpy(dst + r * V + v0, &S[r * nv], nv * sizeof(acc_t));
+          const acc_t cr = p.gate_per_channel ? c[r] : c0;
+          for (int64_t j = 0; j < nv; ++j) dst[r * V + v0 + j] = cr * S[r * nv + j];
         }
       };
+      // ff = a_tok c k_tok, the factors of w_tok = P^T k_tok (a: the next token's decays).
+      auto next_factors = [&](int64_t tok) {
+        const in_t* kt = in.k + (tok * H + h) * K;
+        if (p.gate_per_channel) {
+          load_decay(p, in.g, tok, hv, a.data());
+          for (int64_t r = 0; r < K; ++r) ff[r] = a[r] * c[r] * static_cast<acc_t>(kt[r]);
+        } else {
+          a0 = std::exp(in.g[tok * HV + hv]);
+          const acc_t f = a0 * c0;
+          for (int64_t r = 0; r < K; ++r) ff[r] = f * static_cast<acc_t>(kt[r]);
+        }
+      };
+      if (bos < eos) {
+        next_factors(bos);
+        project_rows(S.data(), K, nv, ff.data(), w.data());
+      }
       for (int64_t tok = bos; tok < eos; ++tok) {
         if (C > 0 && (tok - bos) % C == 0) {
           store_state(ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
         }
-        load_decay(p, in.g, tok, hv, a.data());
-        load_row(in.k, tok, p.num_qk_heads, h, K, kv.data());
-        load_row(in.q, tok, p.num_qk_heads, h, K, qs.data());
-        for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
-        const in_t* vsrc = in.v + (tok * HV + hv) * V + v0;
-        for (int64_t j = 0; j < nv; ++j) vv[j] = static_cast<acc_t>(vsrc[j]);
-        step_rows(S.data(), K, nv, a.data(), kv.data(), qs.data(), vv.data(),
-                  in.beta[tok * HV + hv], o.data());
+        if (tok + kPrefetchTokens < eos) {
+          const int64_t tp = tok + kPrefetchTokens;
+          prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
+          prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
+          prefetch_bytes(in.v + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
+          prefetch_bytes(out + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
+        }
+        // The decays of tok (a, a0) and w = P^T k_tok come from the previous token.
+        const in_t* kt = in.k + (tok * H + h) * K;
+        const in_t* qt = in.q + (tok * H + h) * K;
+        bool renorm;
+        if (p.gate_per_channel) {
+          int bad = 0;
+          for (int64_t r = 0; r < K; ++r) {
+            alpha[r] = a[r] * c[r];
+            bad |= !(alpha[r] >= lo && alpha[r] <= hi);  // also catches NaN
+          }
+          renorm = bad != 0;
+          for (int64_t r = 0; r < K; ++r) {
+            const acc_t kr = static_cast<acc_t>(kt[r]);
+            c[r] = renorm ? acc_t(1) : alpha[r];
+            kk[r] = renorm ? kr : kr / c[r];
+            qq[r] = in.scale * c[r] * static_cast<acc_t>(qt[r]);
+          }
+        } else {
+          const acc_t cn = a0 * c0;
+          renorm = !(cn >= lo && cn <= hi);
+          if (renorm) std::fill(alpha.begin(), alpha.end(), cn);
+          c0 = renorm ? acc_t(1) : cn;
+          const acc_t inv = acc_t(1) / c0, qs = in.scale * c0;
+          for (int64_t r = 0; r < K; ++r) {
+            kk[r] = inv * static_cast<acc_t>(kt[r]);
+            qq[r] = qs * static_cast<acc_t>(qt[r]);
+          }
+        }
+        if (tok + 1 < eos) {
+          next_factors(tok + 1);
+        } else {
+          std::fill(ff.begin(), ff.end(), acc_t(0));
+        }
+        const acc_t b = in.beta[tok * HV + hv];
+        const in_t* vt = in.v + (tok * HV + hv) * V + v0;
+        for (int64_t j = 0; j < nv; ++j) u[j] = b * (static_cast<acc_t>(vt[j]) - w[j]);
+        if (renorm) {
+          fused_rows<true>(S.data(), K, nv, cf, u.data(), o.data(), w.data());
+        } else {
+          fused_rows<false>(S.data(), K, nv, cf, u.data(), o.data(), w.data());
+        }
         in_t* odst = out + (tok * HV + hv) * V + v0;
         for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
       }
@@ -231,153 +340,112 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
 }
 
 // Recomputes one token on all V columns of a column-major state: dst = P + k u^T with
-// P = diag(a) src, u = b (v - P^T k); stores v - P^T k per column in vw. Row blocks
-// outside, columns inside, like reverse_step.
+// P = diag(a) src, u = b vw, vw = v - P^T k (given: the previous token's pass accumulated
+// it). Like the forward, the pass also accumulates the next token's P^T k from the values
+// it writes: w_part[j] = dst_j * f (per lane; f = a' k' of the next token), so each token
+// streams the state once. Rows run over Kp (padding rows are zero in src and f).
 template <typename acc_t>
-inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, int64_t K,
-                           int64_t V, int64_t ld, const acc_t* __restrict a, const acc_t* __restrict kv,
-                           const acc_t* __restrict vv, acc_t b, acc_t* __restrict vw,
+inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, int64_t Kp,
+                           int64_t V, int64_t ld, const acc_t* __restrict a,
+                           const acc_t* __restrict kv, const acc_t* __restrict f,
+                           const acc_t* __restrict vw, acc_t b,
                            Vec256<acc_t>* __restrict w_part) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  const int64_t Kv = K / L * L;
-  for (int64_t j = 0; j < V; ++j) {
-    w_part[j] = vec{};
-    vw[j] = 0;  // first collects the tail rows' share of w_j
-  }
-  for (int64_t rb = 0; rb < Kv; rb += L) {
-    const vec f8 = load_vec(a + rb) * load_vec(kv + rb);
-    for (int64_t j = 0; j < V; ++j) w_part[j] += f8 * load_vec(src + j * ld + rb);
-  }
-  for (int64_t r = Kv; r < K; ++r) {
-    const acc_t f = a[r] * kv[r];
-    for (int64_t j = 0; j < V; ++j) vw[j] += f * src[j * ld + r];
-  }
-  for (int64_t j = 0; j < V; ++j) {
-    acc_t w = vw[j];
-    for (int64_t l = 0; l < L; ++l) w += w_part[j][l];
-    vw[j] = vv[j] - w;
-  }
-  for (int64_t rb = 0; rb < Kv; rb += L) {
-    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
+  for (int64_t j = 0; j < V; ++j) w_part[j] = vec{};
+  for (int64_t rb = 0; rb < Kp; rb += L) {
+    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb), f8 = load_vec(f + rb);
     for (int64_t j = 0; j < V; ++j) {
       const int64_t i = j * ld + rb;
-      store_vec(dst + i, a8 * load_vec(src + i) + k8 * (b * vw[j]));
+      const vec x = a8 * load_vec(src + i) + k8 * (b * vw[j]);
+      store_vec(dst + i, x);
+      w_part[j] += f8 * x;
     }
-  }
-  for (int64_t r = Kv; r < K; ++r) {
-    for (int64_t j = 0; j < V; ++j) dst[j * ld + r] = a[r] * src[j * ld + r] + kv[r] * b * vw[j];
   }
 }
 
-// Reverse step of one token over all V columns. dS (column-major) holds dL/dS_t on entry
-// and dL/dS_{t-1} on exit. Per column j, with u_j = b vw_j:
-//   P = diag(a) S_{t-1},  S_t = P + k u^T  (rebuilt from S_{t-1}: one state read, not two)
-//   o = S_t^T qs:        dS_j += qs go_j,  dq += go_j S_t[:, j]
-//   S_t = P + k u^T:      dk += u_j dS_j,   du_j = dS_j . k
-//   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
-//   (w = P^T k)           dP_j = dS_j + dw_j k,  dk += dw_j P_j
-//   P = diag(a) S_{t-1}:  dg += dP_j * P_j (per channel),  dS_j <- a * dP_j
-//
-// Loops run over blocks of L rows (one vector) outside and columns inside, so dq, dk and dg
-// of a row block stay in registers while the columns stream by; du_j, a reduction down a
-// column, accumulates per column as a vector and is summed once at the end. Columns go in
-// pairs with separate accumulators for even and odd columns, so no FMA waits on the previous
-// one's latency.
+// w_part[j] = src_j * f per lane (the first recomputed token's P^T k, before the pipeline).
 template <typename acc_t>
-inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t K,
-                         int64_t V, int64_t ld, const acc_t* __restrict a, const acc_t* __restrict kv,
-                         const acc_t* __restrict qs, const acc_t* __restrict go,
-                         const acc_t* __restrict vw, acc_t b, acc_t* __restrict dq,
-                         acc_t* __restrict dk, acc_t* __restrict dg, acc_t* __restrict dv,
-                         acc_t* __restrict dbeta, Vec256<acc_t>* __restrict du_part,
-                         acc_t* __restrict dw) {
+inline void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V, int64_t ld,
+                            const acc_t* __restrict f, Vec256<acc_t>* __restrict w_part) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  const int64_t Kv = K / L * L, V2 = V / 2 * 2;
-  for (int64_t j = 0; j < V; ++j) {
-    du_part[j] = vec{};
-    dw[j] = 0;  // first collects the tail rows' share of du_j
+  for (int64_t j = 0; j < V; ++j) w_part[j] = vec{};
+  for (int64_t rb = 0; rb < Kp; rb += L) {
+    const vec f8 = load_vec(f + rb);
+    for (int64_t j = 0; j < V; ++j) w_part[j] += f8 * load_vec(src + j * ld + rb);
   }
-  // Pass 1: dS += qs go^T; dq = S_t go; dk = dS u; du_j = dS_j . k.
-  for (int64_t rb = 0; rb < Kv; rb += L) {
-    const vec q8 = load_vec(qs + rb), k8 = load_vec(kv + rb), a8 = load_vec(a + rb);
-    vec dq8 = {}, dk8 = {}, dq8b = {}, dk8b = {};
-    auto column = [&](int64_t j, vec& dqa, vec& dka) {
+}
+
+// Reverse step of one token over all V columns, in one pass over the states. dS (column-
+// major) holds dL/dS_t on entry and dL/dS_{t-1} on exit, both lazily scaled by one factor
+// per key row like the forward's state: dS = diag(e) D. Per column j, with u_j = b vw_j:
+//   o = S_t^T qs:         d = dS_j + qs go_j,  dq += go_j S_t[:, j]
+//   S_t = P + k u^T:      dk += u_j d,  du_j = d . k = dS_j . k + go_j (qs . k)
+//   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
+//   (w = P^T k)           dP_j = d + dw_j k,  dk += dw_j P_j
+//   P = diag(a) S_{t-1}:  dg += dP * P (per channel),  dS_{t-1} = diag(a) dP
+// In scaled terms (D = dS / e, e' = a e), every line is one FMA per element and the decay
+// multiply disappears: d/e = D + (qs/e) go_j, dP/e = d/e + (k/e) dw_j, D_{t-1} = dP/e with
+// e <- e'; dk = e (sum u_j d/e) + a (sum dw_j S_{t-1}), dg = a e (sum dP/e S_{t-1}).
+// The column sums du_j need dS_j . k before the pass; they are pipelined: the pass for token
+// t accumulates dS_{t-1} . k_{t-1} (z) from the values it writes. e is kept in [2^-20, 2^20]
+// like the forward's c; a token that would leave it writes diag(e') dP/e and resets e = 1.
+// Rows run in blocks of one vector outside (dq, dk, dg of the block stay in registers) and
+// columns inside; the state's padding rows (up to ld) and the factors' stay zero.
+template <typename acc_t>
+struct ReverseRows {
+  const acc_t *qe;   // qs / e
+  const acc_t *ke;   // k / e
+  const acc_t *kp;   // k_{t-1} e' (k_{t-1} when renormalizing; 0 at a sequence start)
+  const acc_t *ren;  // e', the renormalizing step's row factors
+  const acc_t *a, *k;  // the decays and key, to rebuild S_t from S_{t-1} (one state read)
+};
+
+template <bool kRenorm, typename acc_t>
+inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t Kp,
+                         int64_t V, int64_t ld,
+                         const ReverseRows<acc_t>& rows, const acc_t* __restrict go,
+                         const acc_t* __restrict u, const acc_t* __restrict dw,
+                         acc_t* __restrict dq, acc_t* __restrict dkA, acc_t* __restrict dkB,
+                         acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  for (int64_t j = 0; j < V; ++j) z[j] = vec{};
+  for (int64_t rb = 0; rb < Kp; rb += L) {
+    const vec q8 = load_vec(rows.qe + rb), k8 = load_vec(rows.ke + rb);
+    const vec kp8 = load_vec(rows.kp + rb);
+    const vec a8 = load_vec(rows.a + rb), kt8 = load_vec(rows.k + rb);
+    vec ren8 = {};
+    if (kRenorm) ren8 = load_vec(rows.ren + rb);
+    vec dq8 = {}, dkA8 = {}, dkB8 = {}, dg8 = {};
+    for (int64_t j = 0; j < V; ++j) {
       const int64_t i = j * ld + rb;
-      const acc_t goj = go[j], uj = b * vw[j];
-      const vec St = a8 * load_vec(Sp + i) + k8 * uj;
+      const acc_t goj = go[j], uj = u[j], dwj = dw[j];
+      const vec s = load_vec(Sp + i);
       const vec d = load_vec(dS + i) + q8 * goj;
-      store_vec(dS + i, d);
-      dqa += goj * St;
-      dka += uj * d;
-      du_part[j] += d * k8;
-    };
-    for (int64_t j = 0; j < V2; j += 2) {
-      column(j, dq8, dk8);
-      column(j + 1, dq8b, dk8b);
+      dq8 += goj * (a8 * s + kt8 * uj);  // S_t, as recompute_step wrote it
+      dkA8 += uj * d;
+      vec dP = d + k8 * dwj;
+      dkB8 += dwj * s;
+      dg8 += dP * s;
+      if (kRenorm) dP = ren8 * dP;
+      store_vec(dS + i, dP);
+      z[j] += dP * kp8;
     }
-    if (V2 < V) column(V2, dq8, dk8);
-    store_vec(dq + rb, dq8 + dq8b);
-    store_vec(dk + rb, dk8 + dk8b);
+    store_vec(dq + rb, dq8);
+    store_vec(dkA + rb, dkA8);
+    store_vec(dkB + rb, dkB8);
+    store_vec(dg + rb, dg8);
   }
-  for (int64_t r = Kv; r < K; ++r) {
-    acc_t dqr = 0, dkr = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * ld + r;
-      const acc_t uj = b * vw[j];
-      const acc_t St = a[r] * Sp[i] + kv[r] * uj;
-      const acc_t d = dS[i] + qs[r] * go[j];
-      dS[i] = d;
-      dqr += go[j] * St;
-      dkr += uj * d;
-      dw[j] += d * kv[r];  // the tail rows' share of du_j
-    }
-    dq[r] = dqr;
-    dk[r] = dkr;
-  }
-  acc_t db = 0;
-  for (int64_t j = 0; j < V; ++j) {
-    acc_t du = dw[j];
-    for (int64_t l = 0; l < L; ++l) du += du_part[j][l];
-    dv[j] = b * du;
-    db += du * vw[j];
-    dw[j] = -b * du;
-  }
-  *dbeta = db;
-  // Pass 2: dP = dS + k dw^T; dk += P dw; dg = sum_j dP * P; dS = diag(a) dP.
-  for (int64_t rb = 0; rb < Kv; rb += L) {
-    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb);
-    vec dk8 = load_vec(dk + rb), dg8 = {}, dk8b = {}, dg8b = {};
-    auto column = [&](int64_t j, vec& dka, vec& dga) {
-      const int64_t i = j * ld + rb;
-      const vec P = a8 * load_vec(Sp + i);
-      const vec dP = load_vec(dS + i) + k8 * dw[j];
-      dka += dw[j] * P;
-      dga += dP * P;
-      store_vec(dS + i, a8 * dP);
-    };
-    for (int64_t j = 0; j < V2; j += 2) {
-      column(j, dk8, dg8);
-      column(j + 1, dk8b, dg8b);
-    }
-    if (V2 < V) column(V2, dk8, dg8);
-    store_vec(dk + rb, dk8 + dk8b);
-    store_vec(dg + rb, dg8 + dg8b);
-  }
-  for (int64_t r = Kv; r < K; ++r) {
-    acc_t dkr = dk[r], dgr = 0;
-    for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * ld + r;
-      const acc_t P = a[r] * Sp[i];
-      const acc_t dP = dS[i] + kv[r] * dw[j];
-      dkr += dw[j] * P;
-      dgr += dP * P;
-      dS[i] = a[r] * dP;
-    }
-    dk[r] = dkr;
-    dg[r] = dgr;
-  }
+}
+
+template <typename acc_t>
+inline acc_t hsum(const Vec256<acc_t>& x) {
+  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
+  acc_t s = 0;
+  for (int64_t l = 0; l < L; ++l) s += x[l];
+  return s;
 }
 
 template <typename in_t, typename acc_t>
@@ -386,11 +454,16 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                      acc_t* buf) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk, KV = K * V, G = p.group();
+  constexpr int64_t L = 32 / sizeof(acc_t);
   // Scratch states are column-major with a padded column stride; SV values each.
-  const int64_t ld = padded_column_stride<acc_t>(K), SV = V * ld;
+  const int64_t ld = padded_column_stride<acc_t>(K), SV = V * ld, Kp = (K + L - 1) / L * L;
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
+  const acc_t lo = std::ldexp(acc_t(1), -20), hi = std::ldexp(acc_t(1), 20);
+  const int64_t Vv = V / L * L;
+  using vec = Vec256<acc_t>;
+  using ivec = decltype(vec{} < vec{});  // comparison masks
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
   // Sub-chunk length: its states take at most 8 MiB. Measured on the 2-core EPYC, a whole
@@ -406,17 +479,42 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // and runs the reverse recurrence over them. With Cs = C (the usual case) the first
     // walk does nothing.
     AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * SV), states((Cs + 1) * SV), dS(SV), vws(Cs * V);
-    AccVec<acc_t> a(K), kv(K), qs(K), vv(V), go(V), dqt(K), dkt(K), dgt(K), dw(V);
-    std::vector<Vec256<acc_t>> du_part(V);
+    AccVec<acc_t> a(Kp, 1), e(Kp), kv(Kp), qs(Kp), kprev(Kp), vv(V), go(V), u(V), dw(V), z(V);
+    AccVec<acc_t> an(Kp, 1), kn(Kp), f(Kp), w(V);  // recompute: next token's a, k; a k; P^T k
+    AccVec<acc_t> qe(Kp), ke(Kp), kp(Kp), ren(Kp), dqt(Kp), dkA(Kp), dkB(Kp), dgt(Kp);
+    std::vector<Vec256<acc_t>> zpart(V);
     // Recomputes tokens [tok0, tok0 + count) from states[0], filling states[1..count], vws.
     auto recompute = [&](int64_t tok0, int64_t count, int64_t h, int64_t hv) {
+      // f = a k of token tok (a, kv: its decays and key), the factors of its P^T k.
+      auto factors = [&](int64_t tok, acc_t* ad, acc_t* kd, acc_t* fd) {
+        load_decay(p, in.g, tok, hv, ad);
+        load_row(in.k, tok, H, h, K, kd);
+        for (int64_t r = 0; r < Kp; ++r) fd[r] = ad[r] * kd[r];
+      };
+      if (count == 0) return;
+      factors(tok0, a.data(), kv.data(), f.data());
+      project_columns(&states[0], Kp, V, ld, f.data(), zpart.data());
+      for (int64_t j = 0; j < V; ++j) w[j] = hsum<acc_t>(zpart[j]);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t tok = tok0 + i;
-        load_decay(p, in.g, tok, hv, a.data());
-        load_row(in.k, tok, H, h, K, kv.data());
+        if (i + kPrefetchTokens < count) {
+          const int64_t tp = tok + kPrefetchTokens;
+          prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
+          prefetch_bytes(in.v + (tp * HV + hv) * V, V * sizeof(in_t));
+        }
         load_row(in.v, tok, HV, hv, V, vv.data());
-        recompute_step(&states[i * SV], &states[(i + 1) * SV], K, V, ld, a.data(), kv.data(),
-                       vv.data(), in.beta[tok * HV + hv], &vws[i * V], du_part.data());
+        acc_t* vw = &vws[i * V];
+        for (int64_t j = 0; j < V; ++j) vw[j] = vv[j] - w[j];
+        if (i + 1 < count) {
+          factors(tok + 1, an.data(), kn.data(), f.data());
+        } else {
+          std::fill(f.begin(), f.end(), acc_t(0));
+        }
+        recompute_step(&states[i * SV], &states[(i + 1) * SV], Kp, V, ld, a.data(), kv.data(),
+                       f.data(), vw, in.beta[tok * HV + hv], zpart.data());
+        for (int64_t j = 0; j < V; ++j) w[j] = hsum<acc_t>(zpart[j]);
+        std::swap(a, an);
+        std::swap(kv, kn);
       }
     };
     for (int64_t task = begin; task < end; ++task) {
@@ -426,10 +524,19 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       const int64_t base = gdn_checkpoint_base(n, bos, C);
       const int64_t nchunks = gdn_num_chunks(eos - bos, C);
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
-        if (grad_ht) {
-          gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
-        } else {
-          std::fill(dS.begin(), dS.end(), acc_t(0));
+        const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
+        std::fill(dS.begin(), dS.end(), acc_t(0));
+        if (grad_ht) gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
+        std::fill(e.begin(), e.end(), acc_t(1));
+        // z_j = dS_j . k of the last token (the pipeline's start).
+        std::fill(z.begin(), z.end(), acc_t(0));
+        if (grad_ht && eos > bos) {
+          load_row(in.k, eos - 1, H, h, K, kv.data());
+          for (int64_t j = 0; j < V; ++j) {
+            acc_t s = 0;
+            for (int64_t r = 0; r < K; ++r) s += dS[j * ld + r] * kv[r];
+            z[j] = s;
+          }
         }
         for (int64_t c = nchunks - 1; c >= 0; --c) {
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
@@ -446,32 +553,108 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             recompute(s0, slen, h, hv);
             for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
               const int64_t tok = s0 + i;
+              if (tok - kPrefetchTokens >= bos) {
+                const int64_t tp = tok - kPrefetchTokens;
+                prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
+                prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
+                prefetch_bytes(grad_o + (tp * HV + hv) * V, V * sizeof(in_t));
+              }
+              // Row factors (vectors over the padded rows: a = e = ren = 1 and q = k = 0
+              // there, so padding rows stay zero and never trigger a renormalization).
               load_decay(p, in.g, tok, hv, a.data());
-              load_row(in.k, tok, H, h, K, kv.data());
               load_row(in.q, tok, H, h, K, qs.data());
-              for (int64_t r = 0; r < K; ++r) qs[r] *= in.scale;
+              load_row(in.k, tok, H, h, K, kv.data());
+              if (tok > bos) load_row(in.k, tok - 1, H, h, K, kprev.data());
+              vec qk8 = {};
+              ivec ok8 = ~ivec{};
+              for (int64_t rb = 0; rb < Kp; rb += L) {
+                const vec e8 = load_vec(&e[rb]), en8 = load_vec(&a[rb]) * e8;
+                const vec inv8 = acc_t(1) / e8, q8 = in.scale * load_vec(&qs[rb]);
+                const vec k8 = load_vec(&kv[rb]);
+                qk8 += q8 * k8;
+                store_vec(&qe[rb], q8 * inv8);
+                store_vec(&ke[rb], k8 * inv8);
+                store_vec(&ren[rb], en8);
+                ok8 &= (en8 >= lo) & (en8 <= hi);  // false for NaN too
+              }
+              bool renorm = false;
+              for (int64_t l = 0; l < L; ++l) renorm |= ok8[l] == 0;
+              const acc_t qk = hsum<acc_t>(qk8);
+              for (int64_t rb = 0; rb < Kp; rb += L) {
+                const vec k8 = tok > bos ? load_vec(&kprev[rb]) : vec{};
+                store_vec(&kp[rb], renorm ? k8 : k8 * load_vec(&ren[rb]));
+              }
+              // Column scalars: du_j from the pipelined z_j.
+              const acc_t b = in.beta[tok * HV + hv];
+              const acc_t* vw = &vws[i * V];
               load_row(grad_o, tok, HV, hv, V, go.data());
-              reverse_step(&states[i * SV], dS.data(), K, V, ld, a.data(),
-                           kv.data(), qs.data(), go.data(), &vws[i * V], in.beta[tok * HV + hv],
-                           dqt.data(), dkt.data(), dgt.data(), dv + (tok * HV + hv) * V,
-                           dbeta + tok * HV + hv, du_part.data(), dw.data());
-              acc_t* dq_row = dq + (tok * H + h) * K;
-              acc_t* dk_row = dk + (tok * H + h) * K;
-              for (int64_t r = 0; r < K; ++r) {
-                dq_row[r] += in.scale * dqt[r];
-                dk_row[r] += dkt[r];
+              acc_t* dv_row = dv + (tok * HV + hv) * V;
+              vec db8 = {};
+              for (int64_t j = 0; j < Vv; j += L) {
+                const vec du8 = load_vec(&z[j]) + load_vec(&go[j]) * qk, vw8 = load_vec(vw + j);
+                store_vec(dv_row + j, b * du8);
+                db8 += du8 * vw8;
+                store_vec(&dw[j], -b * du8);
+                store_vec(&u[j], b * vw8);
+              }
+              acc_t db = hsum<acc_t>(db8);
+              for (int64_t j = Vv; j < V; ++j) {
+                const acc_t du = z[j] + go[j] * qk;
+                dv_row[j] = b * du;
+                db += du * vw[j];
+                dw[j] = -b * du;
+                u[j] = b * vw[j];
+              }
+              dbeta[tok * HV + hv] = db;
+              // (recompute swaps a and kv with an and kn: take the pointers now)
+              const ReverseRows<acc_t> rows{qe.data(), ke.data(), kp.data(), ren.data(),
+                                            a.data(), kv.data()};
+              if (renorm) {
+                reverse_step<true>(&states[i * SV], dS.data(), Kp, V, ld, rows, go.data(),
+                                   u.data(), dw.data(), dqt.data(), dkA.data(), dkB.data(),
+                                   dgt.data(), zpart.data());
+              } else {
+                reverse_step<false>(&states[i * SV], dS.data(), Kp, V, ld, rows, go.data(),
+                                    u.data(), dw.data(), dqt.data(), dkA.data(), dkB.data(),
+                                    dgt.data(), zpart.data());
+              }
+              for (int64_t j = 0; j < V; ++j) z[j] = hsum<acc_t>(zpart[j]);
+              vec gsum8 = {};
+              for (int64_t rb = 0; rb < Kp; rb += L) {
+                const vec e8 = load_vec(&e[rb]), ren8 = load_vec(&ren[rb]);
+                store_vec(&dqt[rb], in.scale * load_vec(&dqt[rb]));
+                const vec dk8 = e8 * load_vec(&dkA[rb]) + load_vec(&a[rb]) * load_vec(&dkB[rb]);
+                store_vec(&dkA[rb], dk8);
+                const vec dg8 = load_vec(&dgt[rb]) * ren8;  // a e
+                store_vec(&dgt[rb], dg8);
+                gsum8 += dg8;
+                store_vec(&e[rb], renorm ? vec{} + acc_t(1) : ren8);
+              }
+              acc_t* __restrict dq_row = dq + (tok * H + h) * K;
+              acc_t* __restrict dk_row = dk + (tok * H + h) * K;
+              if (first_head) {
+                std::memcpy(dq_row, dqt.data(), K * sizeof(acc_t));
+                std::memcpy(dk_row, dkA.data(), K * sizeof(acc_t));
+              } else {
+                for (int64_t r = 0; r < K; ++r) {
+                  dq_row[r] += dqt[r];
+                  dk_row[r] += dkA[r];
+                }
               }
               if (p.gate_per_channel) {
                 std::memcpy(dg + (tok * HV + hv) * K, dgt.data(), K * sizeof(acc_t));
               } else {
-                acc_t sum = 0;
-                for (int64_t r = 0; r < K; ++r) sum += dgt[r];
-                dg[tok * HV + hv] = sum;
+                dg[tok * HV + hv] = hsum<acc_t>(gsum8);
               }
             }
           }
         }
-        if (dstate) scatter_columns(dS.data(), K, V, ld, dstate + (n * HV + hv) * KV);
+        if (dstate) {  // dS = diag(e) D
+          for (int64_t j = 0; j < V; ++j) {
+            for (int64_t r = 0; r < K; ++r) dS[j * ld + r] *= e[r];
+          }
+          scatter_columns(dS.data(), K, V, ld, dstate + (n * HV + hv) * KV);
+        }
       }
     }
   });
@@ -576,8 +759,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   const GdnBackwardLayout lay = GdnBackwardLayout::make(
       p.batch, p.seq_len, p.num_qk_heads, HV, K, V, p.num_seqs, p.gate_per_channel,
       p.has_initial_state);
-  // Zeroed: dq/dk accumulate over the value heads of a group.
-  at::Tensor buf = at::zeros({lay.total}, q.options().dtype(p.acc_dtype));
+  // Every slice is fully written (the first value head of a group assigns dq/dk).
+  at::Tensor buf = at::empty({lay.total}, q.options().dtype(p.acc_dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_bwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
