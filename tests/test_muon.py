@@ -1,6 +1,7 @@
 """rlx_torch.optim.Muon: parity with torch.optim.Muon, batching, shapes, AdamW side, edge cases."""
 
 import copy
+import importlib
 import io
 import math
 
@@ -14,6 +15,9 @@ import rlx_torch
 from rlx_torch.ops import reference
 from rlx_torch.optim import Muon, muon_param_groups, newton_schulz, resolve_schedule
 from rlx_torch.optim import muon as muon_module
+
+# The package re-exports the function `newton_schulz` under its module's name.
+ns_module = importlib.import_module("rlx_torch.optim.newton_schulz")
 
 KELLER = (3.4445, -4.7750, 2.0315)
 
@@ -162,6 +166,136 @@ def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
         p.grad = torch.randn_like(p)
     Muon(params).step()
     assert sorted(seen) == [(2, 16, 8), (6, 8, 8)]
+
+
+# ---- Gram Newton–Schulz (CPU, aspect ratio >= 2) ----
+
+
+def test_gram_restart_schedule():
+    def restarts(preset, steps):
+        return ns_module.gram_restarts(resolve_schedule(preset, steps).coefficients)
+
+    assert restarts("keller", 3) == ()
+    assert restarts("keller", 5) == (3,)
+    assert restarts("keller", 8) == (3, 5, 7)
+    assert restarts("polar_express", 5) == (2, 4)
+
+
+def test_gram_form_is_chosen_per_shape_and_device():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ns_module.uses_gram((256, 1024), cpu) and ns_module.uses_gram((3, 1024, 256), cpu)
+    assert not ns_module.uses_gram((256, 256), cpu)
+    assert not ns_module.uses_gram((300, 512), cpu)  # aspect < 2: the standard form is cheaper
+    assert not ns_module.uses_gram((256, 1024), cuda)  # CUDA keeps the standard iteration
+    assert ns_module.uses_gram((8, 8), cpu, "gram")
+    assert not ns_module.uses_gram((8, 64), cpu, "standard")
+    with pytest.raises(ValueError, match="method"):
+        ns_module.uses_gram((8, 64), cpu, "fast")
+
+
+@pytest.mark.parametrize("shape", [(3, 8, 40), (3, 40, 8), (2, 16, 33), (1, 5, 5)])
+@pytest.mark.parametrize("preset, steps", [("keller", 5), ("polar_express", 5), ("keller", 8)])
+def test_gram_form_equals_standard_iteration_in_float64(shape, preset, steps):
+    G = torch.randn(*shape, dtype=torch.float64)
+    schedule = resolve_schedule(preset, steps)
+    gram = newton_schulz(G, schedule, 1e-7, torch.float64, method="gram")
+    standard = newton_schulz(G, schedule, 1e-7, torch.float64, method="standard")
+    assert gram.shape == G.shape
+    torch.testing.assert_close(gram, standard, rtol=1e-9, atol=1e-9)
+
+
+def hard_gradients(m, n, count=4):
+    """Random and gradient-like inputs: decaying spectra, near low rank, one dominant direction."""
+    gen = torch.Generator().manual_seed(0)
+    k = min(m, n)
+    u = torch.linalg.qr(torch.randn(count, m, k, generator=gen))[0]
+    v = torch.linalg.qr(torch.randn(count, n, k, generator=gen))[0]
+    i = torch.arange(1, k + 1, dtype=torch.float32)
+    low = torch.randn(count, m, 4, generator=gen) @ torch.randn(count, 4, n, generator=gen)
+    spike = torch.randn(count, m, 1, generator=gen) @ torch.randn(count, 1, n, generator=gen)
+    return {
+        "gaussian": torch.randn(count, m, n, generator=gen),
+        "power law": u @ torch.diag_embed(i**-1.5) @ v.mT,
+        "exponential": u @ torch.diag_embed(torch.exp(-i / 10)) @ v.mT,
+        "rank 4 + noise": low + 1e-3 * low.std() * torch.randn(count, m, n, generator=gen),
+        "rank-1 dominant": 100 * spike + torch.randn(count, m, n, generator=gen),
+    }
+
+
+def bf16_gram_failures(shape, schedule):
+    """Inputs where the bf16 Gram form is clearly worse than the bf16 standard iteration."""
+    failures = []
+    for name, G in hard_gradients(*shape).items():
+        exact = torch.stack(
+            [reference_ns(g, schedule.coefficients, safety=schedule.safety) for g in G]
+        )
+        result = {}
+        for method in ("standard", "gram"):
+            out = newton_schulz(G, schedule, 1e-7, torch.bfloat16, method=method).double()
+            if not torch.isfinite(out).all():
+                result[method] = (math.inf, math.inf)
+                continue
+            err = ((out - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))).max().item()
+            result[method] = (err, torch.linalg.svdvals(out).max().item())
+        (std_err, std_sv), (gram_err, gram_sv) = result["standard"], result["gram"]
+        # bf16 NS itself is far from exact on ill-conditioned inputs (errors up to ~0.7 here);
+        # the Gram form may differ by rounding, not by more.
+        if not (gram_err <= 1.5 * std_err + 0.05 and gram_sv <= std_sv + 0.1):
+            failures.append((name, result))
+    return failures
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64)])
+@pytest.mark.parametrize("preset, steps", [("keller", 5), ("polar_express", 5), ("keller", 8)])
+def test_gram_form_in_bf16_is_as_accurate_as_the_standard_iteration(shape, preset, steps):
+    assert bf16_gram_failures(shape, resolve_schedule(preset, steps)) == []
+
+
+def test_gram_form_in_bf16_fails_the_accuracy_check_without_restarts(monkeypatch):
+    # Shows the check above can fail: without restarts rounding makes R indefinite and the
+    # iteration blows up.
+    monkeypatch.setattr(ns_module, "gram_restarts", lambda coefficients: ())
+    assert bf16_gram_failures((64, 256), resolve_schedule("keller", 5)) != []
+
+
+def test_muon_step_takes_the_gram_form_for_wide_and_tall_params_on_cpu(monkeypatch):
+    seen = []
+    real = ns_module._gram_iterations
+
+    def spy(X, schedule, tall):
+        seen.append((tuple(X.shape), tall))
+        return real(X, schedule, tall)
+
+    monkeypatch.setattr(ns_module, "_gram_iterations", spy)
+    params = [nn.Parameter(torch.randn(s)) for s in [(8, 32), (32, 8), (16, 16), (16, 24)]]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    Muon(params).step()
+    assert sorted(seen) == [((1, 8, 32), False), ((1, 32, 8), True)]
+
+
+def test_cpu_batches_are_split_at_the_cpu_limit_with_the_same_result(monkeypatch):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(8, 8)) for _ in range(5)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    twins = [nn.Parameter(p.detach().clone()) for p in params]
+    for p, t in zip(params, twins, strict=True):
+        t.grad = p.grad.clone()
+    Muon(params).step()
+    seen = []
+    real = muon_module.newton_schulz
+
+    def spy(G, *args):
+        seen.append(tuple(G.shape))
+        return real(G, *args)
+
+    monkeypatch.setattr(muon_module, "newton_schulz", spy)
+    monkeypatch.setattr(muon_module, "CPU_MAX_BATCH_ELEMENTS", 2 * 64)
+    Muon(twins).step()
+    assert seen == [(2, 8, 8), (2, 8, 8), (1, 8, 8)]
+    for p, t in zip(params, twins, strict=True):
+        torch.testing.assert_close(t, p)
 
 
 # ---- one step against the plain formula ----

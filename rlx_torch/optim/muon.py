@@ -27,6 +27,11 @@ ND_MODES = ("auto", "flatten", "batch")
 # transient memory (a few copies of the batch) on very large models without costing speed
 # (a batch this size already saturates any GPU).
 MAX_BATCH_ELEMENTS = 1 << 28
+# On CPU, batches of at most 2M elements (8 MiB in fp32): measured 7-10% faster per step than
+# one batch per shape (d=256 GPT set, 1 and 2 threads). The profile points at the elementwise
+# passes over the largest temporaries, which ran ~5x slower per element than over smaller ones
+# (likely fresh memory mapped and page-faulted every step rather than reused).
+CPU_MAX_BATCH_ELEMENTS = 1 << 21
 
 
 def matrix_view(shape: torch.Size, nd_mode: str) -> tuple[int, int, int]:
@@ -216,7 +221,8 @@ class Muon(Optimizer):
             count, rows, cols = matrix_view(p.shape, group["nd_mode"])
             batches[(rows, cols, p.dtype, p.device)].append(p)
         for (rows, cols, dtype, device), params in batches.items():
-            for chunk in _chunks(params):
+            limit = CPU_MAX_BATCH_ELEMENTS if device.type == "cpu" else MAX_BATCH_ELEMENTS
+            for chunk in _chunks(params, limit):
                 self._muon_batch(group, schedule, chunk, rows, cols, dtype, device)
 
     def _muon_batch(self, group, schedule, params, rows, cols, dtype, device) -> None:
@@ -226,16 +232,12 @@ class Muon(Optimizer):
         bufs = [self.state[p]["momentum_buffer"] for p in params]
 
         torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
-        # Nesterov: (1 - mu) g + mu buf, into new tensors (p.grad is never written).
-        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-        # cat copies, so the NS input never aliases a momentum buffer.
-        stacked = torch.cat([u.reshape(-1, rows, cols) for u in updates])
-        del updates  # free the Nesterov copies before the NS temporaries are allocated
+        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
+        stacked = _ns_input(grads, bufs, momentum, group["nesterov"], counts, rows, cols)
         ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
         ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
         del stacked
         scale = lr_scale(group["adjust_lr_fn"], rows, cols)
-        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
         delta = torch.empty(ortho.shape, dtype=dtype, device=device)
 
         def pieces():
@@ -299,11 +301,29 @@ class Muon(Optimizer):
             torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / bc1 for bc1 in bias_c1])
 
 
-def _chunks(params: list[Tensor]):
-    """Splits same-shape params into runs of at most MAX_BATCH_ELEMENTS (>= 1 param each)."""
+def _ns_input(grads, bufs, momentum, nesterov, counts, rows, cols) -> Tensor:
+    """The stacked Newton–Schulz input `[sum(counts), rows, cols]`: the Nesterov look-ahead
+    (1 - mu) g + mu buf, or the momentum buffers. Always a new tensor, so the NS input never
+    aliases a momentum buffer, and p.grad is never written."""
+    if grads[0].device.type == "cpu":
+        # Written straight into one buffer: on CPU a foreach lerp into new tensors and a cat
+        # measured ~10x slower (24 x [1024, 256] fp32: 30 ms against 2.7 ms, one thread).
+        stacked = torch.empty((sum(counts), rows, cols), dtype=grads[0].dtype)
+        for piece, g, b in zip(stacked.split(counts), grads, bufs, strict=True):
+            if nesterov:
+                torch.lerp(g, b, momentum, out=piece.view(g.shape))
+            else:
+                piece.view(g.shape).copy_(b)
+        return stacked
+    updates = torch._foreach_lerp(grads, bufs, momentum) if nesterov else bufs
+    return torch.cat([u.reshape(-1, rows, cols) for u in updates])
+
+
+def _chunks(params: list[Tensor], limit: int):
+    """Splits same-shape params into runs of at most `limit` elements (>= 1 param each)."""
     chunk, size = [], 0
     for p in params:
-        if chunk and size + p.numel() > MAX_BATCH_ELEMENTS:
+        if chunk and size + p.numel() > limit:
             yield chunk
             chunk, size = [], 0
         chunk.append(p)

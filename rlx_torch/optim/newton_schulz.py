@@ -8,6 +8,9 @@
 after normalising each matrix by its Frobenius norm (an upper bound of the spectral norm, so
 all singular values start in [0, 1]). Every matrix of the batch is independent: one
 `bmm`/`baddbmm` per line serves all of them, and a non-finite matrix only spoils itself.
+
+On CPU, matrices with an aspect ratio of at least 2 run the same iteration in its Gram form
+(`_gram_iterations`), which needs far fewer FLOPs; see docs/optim.md.
 """
 
 from __future__ import annotations
@@ -91,15 +94,57 @@ def resolve_schedule(ns_coefficients, ns_steps: int) -> Schedule:
     return Schedule(steps, safety)
 
 
+# Gram form only from this aspect ratio on: with 5 steps it costs 8·m²n + 28·m³ FLOPs against
+# 20·m²n + 10·m³ for the standard iteration (m <= n), a win from n > 1.5·m; 2 leaves a margin.
+GRAM_MIN_ASPECT = 2
+# The first phase of the Gram iteration (until its first restart) may grow a small or spuriously
+# negative Gram eigenvalue by at most this factor (the product of a² over its updates of R):
+# Keller's schedule restarts before step 3 (11.9² = 141), Polar Express before step 2 (66.5).
+GRAM_MAX_GROWTH = 256.0
+METHODS = ("auto", "standard", "gram")
+
+
+def gram_restarts(coefficients: Sequence[Triple]) -> tuple[int, ...]:
+    """Steps before which the Gram iteration rebuilds X and its Gram matrix from scratch.
+
+    Within a phase the Gram matrix R is only updated (R ← P R P), never recomputed. Rounding
+    leaves R slightly indefinite, and each update multiplies an eigenvalue r near zero,
+    negative ones included, by about p(r)² ≈ a². The first phase ends before that growth
+    passes GRAM_MAX_GROWTH; later phases hold at most one update (two steps): by then most
+    singular values are near 1, R's entries and their rounding errors are larger, and two
+    updates per later phase were measured to blow up (bf16, Keller coefficients, 8 steps).
+    """
+    restarts: list[int] = []
+    growth = 1.0
+    for i in range(1, len(coefficients)):
+        growth *= coefficients[i - 1][0] ** 2  # the update of R between steps i-1 and i
+        if growth > GRAM_MAX_GROWTH or (restarts and i - restarts[-1] >= 2):
+            restarts.append(i)
+            growth = 1.0
+    return tuple(restarts)
+
+
+def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto") -> bool:
+    """Whether `newton_schulz` takes the Gram form for matrices of `shape` on `device`."""
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method != "auto":
+        return method == "gram"
+    small, large = sorted(shape[-2:])
+    # Only measured on CPU; CUDA and MPS keep the standard iteration until measured there.
+    return device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
+
+
 def newton_schulz(
-    G: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype
+    G: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, method: str = "auto"
 ) -> torch.Tensor:
     """Orthogonalizes every matrix of `G` (`[..., m, n]`) in `dtype`; returns a new tensor.
 
     The result never shares memory with `G` (the first operation writes into a fresh buffer),
     so callers may pass a momentum buffer. The Gram matrix is always the small side: `X·Xᵀ`
     for wide matrices, `Xᵀ·X` (and right-multiplication) for tall ones, which avoids
-    transposed copies. Makes no host-device synchronisation.
+    transposed copies. `method`: "standard", "gram" (`_gram_iterations`) or "auto"
+    (`uses_gram`). Makes no host-device synchronisation.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have >= 2 dims, got shape {tuple(G.shape)}")
@@ -114,9 +159,53 @@ def newton_schulz(
         norm = norm * schedule.safety
     X = torch.empty(G.shape, dtype=dtype, device=G.device)
     torch.div(G, norm.clamp_min_(eps), out=X)
+    if uses_gram(G.shape, G.device, method):
+        X = _gram_iterations(X, schedule, tall)
+        return X.reshape(*batch_shape, *X.shape[-2:])
     for a, b, c in schedule.coefficients:
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
         A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(*batch_shape, *X.shape[-2:])
+
+
+def _gram_iterations(X: torch.Tensor, schedule: Schedule, tall: bool) -> torch.Tensor:
+    """The Newton–Schulz iteration for `X` (`[N, m, n]`) run on its small-side Gram matrices.
+
+    For wide X, every iterate is X_k = Q_k·X_0 with Q_k a polynomial in R_0 = X_0·X_0ᵀ, so
+    with P = a·I + b·R + c·R² (all polynomials in R_0 commute):
+        Q ← Q·P,    R ← P·R·P  (= X_k+1·X_k+1ᵀ),
+    and only R_0 and the final Q·X_0 touch the wide matrix (Dao, Zhang, Amsel, Chen 2026,
+    "Gram Newton-Schulz"). Tall X mirrors it: R_0 = X_0ᵀ·X_0 and X_k = X_0·Q_k (no transposed
+    copies of X). Because R is updated rather than recomputed, rounding can make it
+    indefinite, and the iteration blows a negative eigenvalue up geometrically (measured in
+    bf16: outputs 10-10⁴ times too large). Restarts (`gram_restarts`) rebuild X and R from
+    scratch, which keeps the error at the standard iteration's level (tests/test_muon.py).
+    """
+
+    def gram(X):
+        return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+
+    def apply(Q, X):
+        return torch.bmm(X, Q) if tall else torch.bmm(Q, X)
+
+    restarts = gram_restarts(schedule.coefficients)
+    last = len(schedule.coefficients) - 1
+    R = gram(X)
+    Q = None  # None stands for the identity
+    for i, (a, b, c) in enumerate(schedule.coefficients):
+        if i in restarts:
+            X = apply(Q, X)
+            R = gram(X)
+            Q = None
+        Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # P - a·I
+        if Q is None:
+            Q = Z.clone()
+            Q.diagonal(dim1=-2, dim2=-1).add_(a)  # Q = P
+        else:
+            Q = torch.baddbmm(Q, Q, Z, beta=a)  # Q·P
+        if i < last and i + 1 not in restarts:
+            RP = torch.baddbmm(R, R, Z, beta=a)  # R·P
+            R = torch.baddbmm(RP, Z, RP, beta=a)  # P·R·P
+    return apply(Q, X)
