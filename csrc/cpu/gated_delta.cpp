@@ -380,7 +380,8 @@ inline void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V, 
 // Reverse step of one token over all V columns, in one pass over the states. dS (column-
 // major) holds dL/dS_t on entry and dL/dS_{t-1} on exit, both lazily scaled by one factor
 // per key row like the forward's state: dS = diag(e) D. Per column j, with u_j = b vw_j:
-//   o = S_t^T qs:         d = dS_j + qs go_j,  dq += go_j S_t[:, j]
+//   o = S_t^T qs:         d = dS_j + qs go_j,  dq += go_j S_t[:, j]  (= diag(a) S_{t-1}
+//                         go + k (u . go): the pass sums go_j S_{t-1}[:, j] only)
 //   S_t = P + k u^T:      dk += u_j d,  du_j = d . k = dS_j . k + go_j (qs . k)
 //   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
 //   (w = P^T k)           dP_j = d + dw_j k,  dk += dw_j P_j
@@ -399,7 +400,6 @@ struct ReverseRows {
   const acc_t *ke;   // k / e
   const acc_t *kp;   // k_{t-1} e' (k_{t-1} when renormalizing; 0 at a sequence start)
   const acc_t *ren;  // e', the renormalizing step's row factors
-  const acc_t *a, *k;  // the decays and key, to rebuild S_t from S_{t-1} (one state read)
 };
 
 template <bool kRenorm, typename acc_t>
@@ -415,7 +415,6 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
   for (int64_t rb = 0; rb < Kp; rb += L) {
     const vec q8 = load_vec(rows.qe + rb), k8 = load_vec(rows.ke + rb);
     const vec kp8 = load_vec(rows.kp + rb);
-    const vec a8 = load_vec(rows.a + rb), kt8 = load_vec(rows.k + rb);
     vec ren8 = {};
     if (kRenorm) ren8 = load_vec(rows.ren + rb);
     vec dq8 = {}, dkA8 = {}, dkB8 = {}, dg8 = {};
@@ -424,7 +423,7 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
       const acc_t goj = go[j], uj = u[j], dwj = dw[j];
       const vec s = load_vec(Sp + i);
       const vec d = load_vec(dS + i) + q8 * goj;
-      dq8 += goj * (a8 * s + kt8 * uj);  // S_t, as recompute_step wrote it
+      dq8 += goj * s;
       dkA8 += uj * d;
       vec dP = d + k8 * dwj;
       dkB8 += dwj * s;
@@ -589,26 +588,27 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               const acc_t* vw = &vws[i * V];
               load_row(grad_o, tok, HV, hv, V, go.data());
               acc_t* dv_row = dv + (tok * HV + hv) * V;
-              vec db8 = {};
+              vec db8 = {}, gu8 = {};
               for (int64_t j = 0; j < Vv; j += L) {
-                const vec du8 = load_vec(&z[j]) + load_vec(&go[j]) * qk, vw8 = load_vec(vw + j);
+                const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
+                const vec du8 = load_vec(&z[j]) + go8 * qk, u8 = b * vw8;
                 store_vec(dv_row + j, b * du8);
                 db8 += du8 * vw8;
+                gu8 += go8 * u8;
                 store_vec(&dw[j], -b * du8);
-                store_vec(&u[j], b * vw8);
+                store_vec(&u[j], u8);
               }
-              acc_t db = hsum<acc_t>(db8);
+              acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8);
               for (int64_t j = Vv; j < V; ++j) {
                 const acc_t du = z[j] + go[j] * qk;
                 dv_row[j] = b * du;
                 db += du * vw[j];
                 dw[j] = -b * du;
                 u[j] = b * vw[j];
+                gu += go[j] * u[j];
               }
               dbeta[tok * HV + hv] = db;
-              // (recompute swaps a and kv with an and kn: take the pointers now)
-              const ReverseRows<acc_t> rows{qe.data(), ke.data(), kp.data(), ren.data(),
-                                            a.data(), kv.data()};
+              const ReverseRows<acc_t> rows{qe.data(), ke.data(), kp.data(), ren.data()};
               if (renorm) {
                 reverse_step<true>(&states[i * SV], dS.data(), Kp, V, ld, rows, go.data(),
                                    u.data(), dw.data(), dqt.data(), dkA.data(), dkB.data(),
@@ -622,7 +622,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               vec gsum8 = {};
               for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec e8 = load_vec(&e[rb]), ren8 = load_vec(&ren[rb]);
-                store_vec(&dqt[rb], in.scale * load_vec(&dqt[rb]));
+                // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
+                const vec dq8 = load_vec(&a[rb]) * load_vec(&dqt[rb]) + load_vec(&kv[rb]) * gu;
+                store_vec(&dqt[rb], in.scale * dq8);
                 const vec dk8 = e8 * load_vec(&dkA[rb]) + load_vec(&a[rb]) * load_vec(&dkB[rb]);
                 store_vec(&dkA[rb], dk8);
                 const vec dg8 = load_vec(&dgt[rb]) * ren8;  // a e
