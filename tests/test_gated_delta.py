@@ -310,6 +310,24 @@ def test_deterministic_bitwise():
         assert torch.equal(first[name], second[name]), name
 
 
+def test_bitwise_equal_across_thread_counts():
+    # The forward's column blocks shrink with more threads (V = 67: blocks of 40 columns on
+    # one thread, 24 on two, 16 on four), which must not change any column's arithmetic.
+    inputs = make_inputs(B=1, T=150, H=1, HV=1, K=13, V=67, state=True)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            torch.manual_seed(1)
+            results.append(run_both(inputs)[0])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for name in results[0]:
+            assert torch.equal(results[0][name], other[name]), name
+
+
 @pytest.mark.parametrize("per_channel,state", [(False, False), (True, False), (False, True)])
 def test_backward_layout_tiles_buffer(per_channel, state):
     B, T, H, HV, K, V, N = 2, 9, 2, 6, 5, 7, 2
