@@ -3,8 +3,9 @@
 // Per (sequence, value head hv), state S in R^{K x V}, q/k head h = hv / (HV / H):
 //   P = diag(a_t) S_{t-1}, a_t = exp(g_t)      (one gate per head, or one per key channel)
 //   w = P^T k_t,  u = beta_t (v_t - w),  S_t = P + k_t u^T,  o_t = scale S_t^T q_t
-// Forward: parallel over (sequence, hv, V-block) -- the columns of S evolve independently --
-// and keeps S every C tokens in the checkpoint buffer (gdn_backward_layout.h).
+// Forward: parallel over (sequence, hv, group of V-blocks) -- the columns of S evolve
+// independently -- and keeps S every C tokens in the checkpoint buffer
+// (gdn_backward_layout.h).
 // Backward: parallel over (sequence, q/k head); for each value head of the group it walks
 // the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
 // when they are very large, see backward_kernel), and runs the reverse recurrence for dS
@@ -228,113 +229,166 @@ template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
-  const int64_t C = p.chunk;
-  // Column blocks keep the state block in L1 (<= 32 KiB; 16 KiB blocks measured ~20%
-  // slower on one thread for K = V = 128) and give every thread work.
+  const int64_t C = p.chunk, heads = p.num_seqs * HV;
   const int64_t threads = at::get_num_threads();
+  // Column blocks of at most 16 KiB keep the state block in L1 (32 KiB here) next to the
+  // token's row factors, and give every thread work. (Before the row factors were shared by
+  // the blocks of a group, 32 KiB blocks were ~15% faster for K = V = 128; now both tie.)
+  const int64_t block_bytes = 16384;
   int64_t BV = V;
-  auto tasks_for = [&](int64_t bv) { return p.num_seqs * HV * ((V + bv - 1) / bv); };
-  while (BV > 16 && (K * BV * int64_t(sizeof(acc_t)) > 32768 || tasks_for(BV) < 2 * threads)) {
+  auto tasks_for = [&](int64_t bv) { return heads * ((V + bv - 1) / bv); };
+  while (BV > 16 &&
+         (K * BV * int64_t(sizeof(acc_t)) > block_bytes || tasks_for(BV) < 2 * threads)) {
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
+  // A task runs a group of a head's column blocks over chunks of TC tokens: the per-token
+  // row factors (and the strided q/k rows they come from) are computed once per chunk and
+  // then read by every block of the group. Groups split a head only when there are fewer
+  // heads than twice the threads.
+  if (heads == 0) return;
+  const int64_t wanted = std::clamp<int64_t>((2 * threads + heads - 1) / heads, 1, nvb);
+  const int64_t bpg = (nvb + wanted - 1) / wanted;  // blocks per group
+  const int64_t groups = (nvb + bpg - 1) / bpg;     // none of them empty
+  constexpr int64_t TC = 32;
   const acc_t lo = std::ldexp(acc_t(1), -20), hi = std::ldexp(acc_t(1), 20);
-  at::parallel_for(0, p.num_seqs * HV * nvb, 1, [&](int64_t begin, int64_t end) {
-    AccVec<acc_t> S(K * BV), c(K), a(K), alpha(K), kk(K), qq(K), ff(K), u(BV), o(BV), w(BV);
-    const TokenCoeffs<acc_t> cf{alpha.data(), kk.data(), qq.data(), ff.data()};
+  at::parallel_for(0, heads * groups, 1, [&](int64_t begin, int64_t end) {
+    AccVec<acc_t> S(bpg * K * BV), W(bpg * BV), c(K), a(K), u(BV), o(BV);
+    // Per token of a chunk: TokenCoeffs' rows, and c before the token (checkpoints).
+    AccVec<acc_t> alpha(TC * K), kk(TC * K), qq(TC * K), ff(TC * K), cb(TC * K);
+    bool renorm[TC];
     for (int64_t task = begin; task < end; ++task) {
-      const int64_t vb = task % nvb, hv = (task / nvb) % HV, n = task / (nvb * HV);
-      const int64_t h = hv / p.group(), v0 = vb * BV, nv = std::min(BV, V - v0);
+      const int64_t grp = task % groups, hv = (task / groups) % HV, n = task / (groups * HV);
+      const int64_t h = hv / p.group(), vb0 = grp * bpg, vb1 = std::min(nvb, vb0 + bpg);
       int64_t bos, eos;
       gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
       const int64_t base = gdn_checkpoint_base(n, bos, C);
-      // S is [K, nv] row-major here; states outside are [K, V].
-      for (int64_t r = 0; r < K; ++r) {
-        for (int64_t j = 0; j < nv; ++j) {
-          S[r * nv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
+      auto block_cols = [&](int64_t vb, int64_t* v0, int64_t* nv) {
+        *v0 = vb * BV;
+        *nv = std::min(BV, V - *v0);
+      };
+      // Each block's S is [K, nv] row-major; states outside are [K, V].
+      for (int64_t vb = vb0; vb < vb1; ++vb) {
+        int64_t v0, nv;
+        block_cols(vb, &v0, &nv);
+        acc_t* Sb = &S[(vb - vb0) * K * BV];
+        for (int64_t r = 0; r < K; ++r) {
+          for (int64_t j = 0; j < nv; ++j) {
+            Sb[r * nv + j] = h0 ? h0[((n * HV + hv) * K + r) * V + v0 + j] : acc_t(0);
+          }
         }
       }
       // c: one factor per key row for a per-channel gate, the scalar c0 for a per-head one.
       std::fill(c.begin(), c.end(), acc_t(1));
       acc_t c0 = 1, a0 = 1;  // a0: the per-head gate's a of the next token
-      auto store_state = [&](acc_t* dst) {  // S = diag(c) St
+      auto store_state = [&](const acc_t* Sb, const acc_t* cr, int64_t v0, int64_t nv,
+                             acc_t* dst) {  // S = diag(c) St
         for (int64_t r = 0; r < K; ++r) {
-          const acc_t cr = p.gate_per_channel ? c[r] : c0;
-          for (int64_t j = 0; j < nv; ++j) dst[r * V + v0 + j] = cr * S[r * nv + j];
+          for (int64_t j = 0; j < nv; ++j) dst[r * V + v0 + j] = cr[r] * Sb[r * nv + j];
         }
       };
       // ff = a_tok c k_tok, the factors of w_tok = P^T k_tok (a: the next token's decays).
-      auto next_factors = [&](int64_t tok) {
+      auto next_factors = [&](int64_t tok, acc_t* f) {
         const in_t* kt = in.k + (tok * H + h) * K;
         if (p.gate_per_channel) {
           load_decay(p, in.g, tok, hv, a.data());
-          for (int64_t r = 0; r < K; ++r) ff[r] = a[r] * c[r] * static_cast<acc_t>(kt[r]);
+          for (int64_t r = 0; r < K; ++r) f[r] = a[r] * c[r] * static_cast<acc_t>(kt[r]);
         } else {
           a0 = std::exp(in.g[tok * HV + hv]);
-          const acc_t f = a0 * c0;
-          for (int64_t r = 0; r < K; ++r) ff[r] = f * static_cast<acc_t>(kt[r]);
+          const acc_t fs = a0 * c0;
+          for (int64_t r = 0; r < K; ++r) f[r] = fs * static_cast<acc_t>(kt[r]);
         }
       };
       if (bos < eos) {
-        next_factors(bos);
-        project_rows(S.data(), K, nv, ff.data(), w.data());
+        next_factors(bos, ff.data());
+        for (int64_t vb = vb0; vb < vb1; ++vb) {
+          int64_t v0, nv;
+          block_cols(vb, &v0, &nv);
+          project_rows(&S[(vb - vb0) * K * BV], K, nv, ff.data(), &W[(vb - vb0) * BV]);
+        }
       }
-      for (int64_t tok = bos; tok < eos; ++tok) {
-        if (C > 0 && (tok - bos) % C == 0) {
-          store_state(ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
-        }
-        if (tok + kPrefetchTokens < eos) {
-          const int64_t tp = tok + kPrefetchTokens;
-          prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
-          prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
-          prefetch_bytes(in.v + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
-          prefetch_bytes(out + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
-        }
-        // The decays of tok (a, a0) and w = P^T k_tok come from the previous token.
-        const in_t* kt = in.k + (tok * H + h) * K;
-        const in_t* qt = in.q + (tok * H + h) * K;
-        bool renorm;
-        if (p.gate_per_channel) {
-          int bad = 0;
-          for (int64_t r = 0; r < K; ++r) {
-            alpha[r] = a[r] * c[r];
-            bad |= !(alpha[r] >= lo && alpha[r] <= hi);  // also catches NaN
+      for (int64_t t0 = bos; t0 < eos; t0 += TC) {
+        const int64_t len = std::min(TC, eos - t0);
+        // Row factors of the chunk's tokens (the decays of tok, a and a0, come from the
+        // previous token's next_factors).
+        for (int64_t i = 0; i < len; ++i) {
+          const int64_t tok = t0 + i;
+          if (tok + kPrefetchTokens < eos) {
+            const int64_t tp = tok + kPrefetchTokens;
+            prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
+            prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
           }
-          renorm = bad != 0;
-          for (int64_t r = 0; r < K; ++r) {
-            const acc_t kr = static_cast<acc_t>(kt[r]);
-            c[r] = renorm ? acc_t(1) : alpha[r];
-            kk[r] = renorm ? kr : kr / c[r];
-            qq[r] = in.scale * c[r] * static_cast<acc_t>(qt[r]);
+          const in_t* kt = in.k + (tok * H + h) * K;
+          const in_t* qt = in.q + (tok * H + h) * K;
+          acc_t *al = &alpha[i * K], *kki = &kk[i * K], *qqi = &qq[i * K], *cbi = &cb[i * K];
+          if (p.gate_per_channel) {
+            std::copy(c.begin(), c.end(), cbi);
+            int bad = 0;
+            for (int64_t r = 0; r < K; ++r) {
+              al[r] = a[r] * c[r];
+              bad |= !(al[r] >= lo && al[r] <= hi);  // also catches NaN
+            }
+            renorm[i] = bad != 0;
+            for (int64_t r = 0; r < K; ++r) {
+              const acc_t kr = static_cast<acc_t>(kt[r]);
+              c[r] = renorm[i] ? acc_t(1) : al[r];
+              kki[r] = renorm[i] ? kr : kr / c[r];
+              qqi[r] = in.scale * c[r] * static_cast<acc_t>(qt[r]);
+            }
+          } else {
+            std::fill(cbi, cbi + K, c0);
+            const acc_t cn = a0 * c0;
+            renorm[i] = !(cn >= lo && cn <= hi);
+            if (renorm[i]) std::fill(al, al + K, cn);
+            c0 = renorm[i] ? acc_t(1) : cn;
+            const acc_t inv = acc_t(1) / c0, qs = in.scale * c0;
+            for (int64_t r = 0; r < K; ++r) {
+              kki[r] = inv * static_cast<acc_t>(kt[r]);
+              qqi[r] = qs * static_cast<acc_t>(qt[r]);
+            }
           }
-        } else {
-          const acc_t cn = a0 * c0;
-          renorm = !(cn >= lo && cn <= hi);
-          if (renorm) std::fill(alpha.begin(), alpha.end(), cn);
-          c0 = renorm ? acc_t(1) : cn;
-          const acc_t inv = acc_t(1) / c0, qs = in.scale * c0;
-          for (int64_t r = 0; r < K; ++r) {
-            kk[r] = inv * static_cast<acc_t>(kt[r]);
-            qq[r] = qs * static_cast<acc_t>(qt[r]);
+          if (tok + 1 < eos) {
+            next_factors(tok + 1, &ff[i * K]);
+          } else {
+            std::fill(&ff[i * K], &ff[i * K] + K, acc_t(0));
           }
         }
-        if (tok + 1 < eos) {
-          next_factors(tok + 1);
-        } else {
-          std::fill(ff.begin(), ff.end(), acc_t(0));
+        for (int64_t vb = vb0; vb < vb1; ++vb) {
+          int64_t v0, nv;
+          block_cols(vb, &v0, &nv);
+          acc_t *Sb = &S[(vb - vb0) * K * BV], *w = &W[(vb - vb0) * BV];
+          for (int64_t i = 0; i < len; ++i) {
+            const int64_t tok = t0 + i;
+            if (C > 0 && (tok - bos) % C == 0) {
+              store_state(Sb, &cb[i * K], v0, nv,
+                          ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
+            }
+            if (i + kPrefetchTokens < len) {
+              const int64_t tp = tok + kPrefetchTokens;
+              prefetch_bytes(in.v + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
+              prefetch_bytes(out + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
+            }
+            const TokenCoeffs<acc_t> cf{&alpha[i * K], &kk[i * K], &qq[i * K], &ff[i * K]};
+            const acc_t b = in.beta[tok * HV + hv];
+            const in_t* vt = in.v + (tok * HV + hv) * V + v0;
+            for (int64_t j = 0; j < nv; ++j) u[j] = b * (static_cast<acc_t>(vt[j]) - w[j]);
+            if (renorm[i]) {
+              fused_rows<true>(Sb, K, nv, cf, u.data(), o.data(), w);
+            } else {
+              fused_rows<false>(Sb, K, nv, cf, u.data(), o.data(), w);
+            }
+            in_t* odst = out + (tok * HV + hv) * V + v0;
+            for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
+          }
         }
-        const acc_t b = in.beta[tok * HV + hv];
-        const in_t* vt = in.v + (tok * HV + hv) * V + v0;
-        for (int64_t j = 0; j < nv; ++j) u[j] = b * (static_cast<acc_t>(vt[j]) - w[j]);
-        if (renorm) {
-          fused_rows<true>(S.data(), K, nv, cf, u.data(), o.data(), w.data());
-        } else {
-          fused_rows<false>(S.data(), K, nv, cf, u.data(), o.data(), w.data());
-        }
-        in_t* odst = out + (tok * HV + hv) * V + v0;
-        for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
       }
-      store_state(ht + (n * HV + hv) * K * V);
+      // The final state: c after the last token.
+      if (!p.gate_per_channel) std::fill(c.begin(), c.end(), c0);
+      for (int64_t vb = vb0; vb < vb1; ++vb) {
+        int64_t v0, nv;
+        block_cols(vb, &v0, &nv);
+        store_state(&S[(vb - vb0) * K * BV], c.data(), v0, nv, ht + (n * HV + hv) * K * V);
+      }
     }
   });
 }
