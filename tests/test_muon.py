@@ -151,7 +151,8 @@ def test_polar_express_step_matches_reference_with_safety_factor():
     torch.testing.assert_close(p.detach(), start - 0.1 * expected)
 
 
-def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
+def record_newton_schulz_batches(monkeypatch):
+    """Returns a list that collects the shape of every batch Muon hands to newton_schulz."""
     seen = []
     real = muon_module.newton_schulz
 
@@ -160,6 +161,11 @@ def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
         return real(G, *args)
 
     monkeypatch.setattr(muon_module, "newton_schulz", spy)
+    return seen
+
+
+def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
+    seen = record_newton_schulz_batches(monkeypatch)
     shapes = [(8, 8), (16, 8), (8, 8), (3, 8, 8), (16, 8), (8, 8)]
     params = [nn.Parameter(torch.randn(s)) for s in shapes]
     for p in params:
@@ -283,14 +289,7 @@ def test_cpu_batches_are_split_at_the_cpu_limit_with_the_same_result(monkeypatch
     for p, t in zip(params, twins, strict=True):
         t.grad = p.grad.clone()
     Muon(params).step()
-    seen = []
-    real = muon_module.newton_schulz
-
-    def spy(G, *args):
-        seen.append(tuple(G.shape))
-        return real(G, *args)
-
-    monkeypatch.setattr(muon_module, "newton_schulz", spy)
+    seen = record_newton_schulz_batches(monkeypatch)
     monkeypatch.setattr(muon_module, "CPU_MAX_BATCH_ELEMENTS", 2 * 64)
     Muon(twins).step()
     assert seen == [(2, 8, 8), (2, 8, 8), (1, 8, 8)]
