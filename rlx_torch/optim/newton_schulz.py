@@ -164,10 +164,15 @@ def newton_schulz(
         return X.reshape(*batch_shape, *X.shape[-2:])
     for a, b, c in schedule.coefficients:
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
-        A = torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+        A = _gram(X, tall)
         B = torch.baddbmm(A, A, A, beta=b, alpha=c)
         X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X.reshape(*batch_shape, *X.shape[-2:])
+
+
+def _gram(X: torch.Tensor, tall: bool) -> torch.Tensor:
+    """The small-side Gram matrices of the batch X: Xᵀ·X when tall, X·Xᵀ otherwise."""
+    return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
 
 
 def _gram_iterations(X: torch.Tensor, schedule: Schedule, tall: bool) -> torch.Tensor:
@@ -184,20 +189,17 @@ def _gram_iterations(X: torch.Tensor, schedule: Schedule, tall: bool) -> torch.T
     scratch, which keeps the error at the standard iteration's level (tests/test_muon.py).
     """
 
-    def gram(X):
-        return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
-
     def apply(Q, X):
         return torch.bmm(X, Q) if tall else torch.bmm(Q, X)
 
     restarts = gram_restarts(schedule.coefficients)
     last = len(schedule.coefficients) - 1
-    R = gram(X)
+    R = _gram(X, tall)
     Q = None  # None stands for the identity
     for i, (a, b, c) in enumerate(schedule.coefficients):
         if i in restarts:
             X = apply(Q, X)
-            R = gram(X)
+            R = _gram(X, tall)
             Q = None
         Z = torch.baddbmm(R, R, R, beta=b, alpha=c)  # P - a·I
         if Q is None:
