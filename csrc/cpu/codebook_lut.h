@@ -172,18 +172,15 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
   }
 }
 
-// Fetches the index bytes of the rows kPrefetchRows below each of the JT row pointers (when
-// those rows are still before row j1; j is the first pointer's row). The gather
+// Fetches the index bytes [ahead, ahead + steps) past each of the JT row pointers. The gather
 // reads one block column of the [N, K/D] indices at a time, rows 512 bytes apart for K = 4096;
 // after a large GEMM (or on first use) those lines come from DRAM and the hardware prefetcher
 // does not hide that (measured: 1-row forward 1.6 -> 1.2 ms on one thread right after a GEMM).
 template <int JT>
-inline void prefetch_rows(const uint8_t* const* ip, int64_t j, int64_t j1, int64_t row_stride,
-                          int64_t steps) {
-  if (j + kPrefetchRows + JT > j1) return;
+inline void prefetch_rows(const uint8_t* const* ip, int64_t ahead, int64_t steps) {
   RLX_UNROLL
   for (int q = 0; q < JT; ++q) {
-    const uint8_t* p = ip[q] + kPrefetchRows * row_stride;
+    const uint8_t* p = ip[q] + ahead;
     for (int64_t off = 0; off < steps; off += 64) __builtin_prefetch(p + off);
     __builtin_prefetch(p + steps - 1);
   }
@@ -207,7 +204,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       int64_t gm = 0;
-      prefetch_rows<JT>(ip, j, j1, row_stride, steps);
+      if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
       // Eight index bytes per load, unpacked with shifts: one load per table lookup, not two.
       for (; gm + 8 <= steps; gm += 8) {
         uint64_t packed[JT];
@@ -247,7 +244,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
         for (int v = 0; v < NV; ++v) a[q][v] = load_vec<V>(acc + (j + q - j0) * BT + v * W);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
-      prefetch_rows<JT>(ip, j, j1, row_stride, steps);
+      if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* Lgm = L + gm * E * BT;
         RLX_UNROLL
