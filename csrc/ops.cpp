@@ -43,4 +43,13 @@ TORCH_LIBRARY(rlx, m) {
   // [x.shape[:-1]] in the accumulation dtype. The backward takes x and rstd, returns dx.
   m.def("gated_delta_l2norm_fwd(Tensor x, float eps) -> (Tensor, Tensor)");
   m.def("gated_delta_l2norm_bwd(Tensor grad_y, Tensor x, Tensor rstd) -> Tensor");
+
+  // ---- Newton–Schulz products of Muon (csrc/cpu/symmetric_matmul.cpp) ----
+  // bf16 [N, m, k] a, b; out = upper triangle of (beta * c + alpha * a @ b^T), mirrored.
+  // transposed: a, b are [N, k, m] and the product is a^T @ b.
+  m.def(
+      "symmetric_matmul(Tensor a, Tensor b, Tensor? c, float alpha, float beta,"
+      " bool transposed=False) -> Tensor");
+  // Whether this CPU runs symmetric_matmul natively (AVX512-BF16); else it is a fallback.
+  m.def("symmetric_matmul_is_native() -> bool");
 }

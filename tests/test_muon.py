@@ -268,9 +268,9 @@ def test_muon_step_takes_the_gram_form_for_wide_and_tall_params_on_cpu(monkeypat
     seen = []
     real = ns_module._gram_iterations
 
-    def spy(X, schedule, tall):
+    def spy(X, schedule, tall, products):
         seen.append((tuple(X.shape), tall))
-        return real(X, schedule, tall)
+        return real(X, schedule, tall, products)
 
     monkeypatch.setattr(ns_module, "_gram_iterations", spy)
     params = [nn.Parameter(torch.randn(s)) for s in [(8, 32), (32, 8), (16, 16), (16, 24)]]

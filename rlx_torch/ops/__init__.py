@@ -2,3 +2,4 @@
 
 from .codebook import codebook_matmul  # noqa: F401  (registers rlx::codebook_* fakes)
 from .gated_delta import gated_delta_rule  # noqa: F401  (registers rlx::gated_delta_* fakes)
+from .symmetric_matmul import symmetric_matmul  # noqa: F401  (registers its fake)

@@ -1,0 +1,127 @@
+"""rlx::symmetric_matmul (the symmetric bf16 products of Muon's Newton–Schulz on CPU) against
+a float32 reference: random shapes, both layouts, the c term, exact symmetry, opcheck, the
+fallback path and bad input."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import rlx_torch  # noqa: F401  (loads the ops)
+from rlx_torch.ops.symmetric_matmul import symmetric_matmul
+
+SHAPES = [(1, 1, 1), (2, 5, 3), (3, 8, 32), (2, 33, 17), (1, 40, 257), (4, 64, 64),
+          (2, 100, 513), (2, 256, 256), (1, 256, 1024), (0, 4, 4), (2, 7, 0)]
+
+
+def reference(a, b, c, alpha, beta, transposed):
+    a, b = a.float(), b.float()
+    full = alpha * (a.mT @ b if transposed else a @ b.mT)
+    if c is not None:
+        full = full + beta * c.float()
+    return full.triu() + full.triu(1).mT
+
+
+def operands(N, m, k, transposed, gen, with_c):
+    shape = (N, k, m) if transposed else (N, m, k)
+    a = torch.randn(shape, generator=gen).bfloat16()
+    b = torch.randn(shape, generator=gen).bfloat16()
+    c = None
+    if with_c:
+        s = torch.randn(N, m, m, generator=gen)
+        c = (s + s.mT).bfloat16()
+    return a, b, c
+
+
+@pytest.mark.parametrize("N, m, k", SHAPES)
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("with_c", [False, True])
+def test_matches_reference_and_is_symmetric(N, m, k, transposed, with_c):
+    gen = torch.Generator().manual_seed(N * 1000 + m * 10 + k)
+    a, b, c = operands(N, m, k, transposed, gen, with_c)
+    out = symmetric_matmul(a, b, c, alpha=1.7, beta=-0.3, transposed=transposed)
+    ref = reference(a, b, c, 1.7, -0.3, transposed)
+    assert out.dtype == torch.bfloat16 and out.shape == (N, m, m)
+    assert torch.equal(out, out.mT)
+    # float32 sums in a different order, then one bf16 rounding: within 2 bf16 ulps of the
+    # largest entry.
+    tol = 2 ** -7 * max(ref.abs().max().item() if ref.numel() else 0.0, 1e-6)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=tol)
+
+
+def test_gram_product_matches_the_full_product():
+    # a = b: every entry is the same dot product either way; the upper triangle decides.
+    a = torch.randn(3, 45, 70).bfloat16()
+    out = symmetric_matmul(a, a, None, 1.0, 0.0)
+    torch.testing.assert_close(out.float(), (a.float() @ a.float().mT), rtol=2 ** -7, atol=1e-2)
+
+
+def test_non_contiguous_operands():
+    base = torch.randn(2, 40, 90).bfloat16()
+    a = base[:, :, 5:70]  # row stride 90
+    c_base = torch.randn(2, 40, 40)
+    c = (c_base + c_base.mT).bfloat16().mT  # a transposed view
+    out = symmetric_matmul(a, a, c, 0.5, 2.0)
+    torch.testing.assert_close(out.float(), reference(a, a, c, 0.5, 2.0, False), rtol=0,
+                               atol=2 ** -7 * 60)
+
+
+def test_opcheck():
+    a, b, c = operands(2, 19, 37, False, torch.Generator().manual_seed(0), True)
+    torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default, (a, b, c, 1.5, 0.5, False))
+    at, bt, _ = operands(2, 19, 37, True, torch.Generator().manual_seed(1), False)
+    torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default, (at, bt, None, 1.0, 0.0, True))
+
+
+def test_is_native_matches_the_cpu_flags():
+    flags = ""
+    if os.path.exists("/proc/cpuinfo"):
+        flags = open("/proc/cpuinfo").read()
+    else:
+        pytest.skip("needs /proc/cpuinfo to know the CPU's flags")
+    expected = all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"))
+    assert torch.ops.rlx.symmetric_matmul_is_native() == expected
+
+
+def test_fallback_path_gives_the_same_contract():
+    # RLX_NO_AVX512_BF16=1 (read once per process) forces the baddbmm fallback.
+    code = (
+        "import torch, rlx_torch\n"
+        "from rlx_torch.ops.symmetric_matmul import symmetric_matmul\n"
+        "assert not torch.ops.rlx.symmetric_matmul_is_native()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for t in (False, True):\n"
+        "    a = torch.randn(2, 30, 41, generator=g).bfloat16()\n"
+        "    s = torch.randn(2, 41 if t else 30, 41 if t else 30, generator=g)\n"
+        "    c = (s + s.mT).bfloat16()\n"
+        "    out = symmetric_matmul(a, a, c, 1.5, 0.5, t)\n"
+        "    af = a.float()\n"
+        "    full = 1.5 * (af.mT @ af if t else af @ af.mT) + 0.5 * c.float()\n"
+        "    assert torch.equal(out, out.mT)\n"
+        "    err = (out.float() - full).abs().max().item()\n"
+        "    assert err <= 2 ** -7 * full.abs().max().item(), err\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, RLX_NO_AVX512_BF16="1")
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ((torch.randn(4, 5).bfloat16(),) * 2 + (None,), "a must be"),
+        ((torch.randn(1, 4, 5).bfloat16(), torch.randn(1, 4, 6).bfloat16(), None),
+         "b must have a's shape"),
+        ((torch.randn(1, 4, 5), torch.randn(1, 4, 5), None), "must be bfloat16"),
+        ((torch.randn(1, 4, 5).bfloat16(),) * 2 + (torch.randn(1, 5, 5).bfloat16(),),
+         "c must be"),
+        ((torch.randn(1, 4, 5).bfloat16(),) * 2 + (torch.randn(1, 4, 4),), "c must be"),
+    ],
+)
+def test_bad_input_raises(args, message):
+    with pytest.raises(RuntimeError, match=message):
+        symmetric_matmul(*args)
