@@ -45,11 +45,20 @@ TORCH_LIBRARY(rlx, m) {
   m.def("gated_delta_l2norm_bwd(Tensor grad_y, Tensor x, Tensor rstd) -> Tensor");
 
   // ---- Newton–Schulz products of Muon (csrc/cpu/symmetric_matmul.cpp) ----
-  // bf16 [N, m, k] a, b; out = upper triangle of (beta * c + alpha * a @ b^T), mirrored.
-  // transposed: a, b are [N, k, m] and the product is a^T @ b.
+  // bf16 [N, m, k] a, b; out = upper triangle of (beta * c + alpha * a @ b^T + diag * I),
+  // mirrored. transposed: a, b are [N, k, m] and the product is a^T @ b.
   m.def(
       "symmetric_matmul(Tensor a, Tensor b, Tensor? c, float alpha, float beta,"
-      " bool transposed=False) -> Tensor");
+      " bool transposed=False, float diag=0.0) -> Tensor");
   // Whether this CPU runs symmetric_matmul natively (AVX512-BF16); else it is a fallback.
   m.def("symmetric_matmul_is_native() -> bool");
+  // ---- fused elementwise parts of a Muon step (csrc/cpu/muon_update.cpp) ----
+  // Updates bufs (momentum), returns the normalized NS input [matrices, rows, cols] in dtype.
+  m.def(
+      "muon_ns_input(Tensor[] grads, Tensor(a!)[] bufs, int rows, int cols, float momentum,"
+      " bool nesterov, float eps, float safety, ScalarType dtype) -> Tensor");
+  // params <- (1 - lr * weight_decay) * params - lr * scale * ortho (matrix by matrix).
+  m.def(
+      "muon_apply_(Tensor(a!)[] params, Tensor ortho, float lr, float weight_decay,"
+      " float scale) -> ()");
 }

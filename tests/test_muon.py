@@ -156,9 +156,9 @@ def record_newton_schulz_batches(monkeypatch):
     seen = []
     real = muon_module.newton_schulz
 
-    def spy(G, *args):
+    def spy(G, *args, **kwargs):
         seen.append(tuple(G.shape))
-        return real(G, *args)
+        return real(G, *args, **kwargs)
 
     monkeypatch.setattr(muon_module, "newton_schulz", spy)
     return seen
@@ -745,3 +745,88 @@ def test_step_makes_no_host_device_sync_on_cuda():
         torch.cuda.set_sync_debug_mode(previous)
     for m in (model, model2):
         assert all(torch.isfinite(p).all() for p in m.parameters())
+
+
+# ---- the fused CPU elementwise ops (rlx::muon_ns_input, rlx::muon_apply_) ----
+
+
+def fused_and_op_by_op_runs(monkeypatch, ns_dtype, nesterov, steps=3):
+    torch.manual_seed(0)
+    shapes = [(24, 40), (40, 24), (2, 24, 40), (24, 40)]
+    start = [torch.randn(s) for s in shapes]
+    grads = [[torch.randn(s) for s in shapes] for _ in range(steps)]
+    results = []
+    for fused in (True, False):
+        if not fused:
+            monkeypatch.setattr(muon_module, "_fused_cpu_step", lambda *args: False)
+        params = [nn.Parameter(t.clone()) for t in start]
+        opt = Muon(params, lr=0.05, weight_decay=0.1, nesterov=nesterov, ns_dtype=ns_dtype)
+        for step_grads in grads:
+            for p, g in zip(params, step_grads, strict=True):
+                p.grad = g.clone()
+            opt.step()
+        results.append(([p.detach() for p in params],
+                        [opt.state[p]["momentum_buffer"] for p in params]))
+    return results
+
+
+@pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_fused_cpu_step_matches_the_op_by_op_step(monkeypatch, ns_dtype, nesterov):
+    (fused, fused_bufs), (plain, plain_bufs) = fused_and_op_by_op_runs(monkeypatch, ns_dtype,
+                                                                       nesterov)
+    for a, b in zip(fused_bufs, plain_bufs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # same lerp arithmetic
+    # Different rounding order of the norm and the update; bf16 NS amplifies it a little.
+    tol = 1e-5 if ns_dtype == torch.float32 else 2e-3
+    for a, b in zip(fused, plain, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=tol)
+
+
+def test_fused_ops_opcheck_and_reference():
+    g = [torch.randn(6, 10), torch.randn(2, 6, 10)]
+    b = [torch.randn(6, 10), torch.randn(2, 6, 10)]
+    b_ref = [t.clone() for t in b]
+    X = torch.ops.rlx.muon_ns_input(g, b, 6, 10, 0.9, True, 1e-7, 1.02, torch.float32)
+    for t, gt in zip(b_ref, g, strict=True):
+        t.lerp_(gt, 0.1)
+    torch.testing.assert_close(b, b_ref)
+    u = torch.cat([gt.lerp(bt, 0.9).reshape(-1, 6, 10) for gt, bt in zip(g, b_ref, strict=True)])
+    expected = u / (1.02 * u.norm(dim=(-2, -1), keepdim=True))
+    torch.testing.assert_close(X, expected)
+    p = [torch.randn(6, 10), torch.randn(2, 6, 10)]
+    p_ref = [t.clone() for t in p]
+    torch.ops.rlx.muon_apply_(p, X, 0.1, 0.5, 2.0)
+    torch.testing.assert_close(p[0], p_ref[0] * 0.95 - 0.2 * X[0])
+    torch.testing.assert_close(p[1], p_ref[1] * 0.95 - 0.2 * X[1:])
+    torch.library.opcheck(torch.ops.rlx.muon_ns_input.default,
+                          ([t.clone() for t in g], [t.clone() for t in b], 6, 10, 0.9, False,
+                           1e-7, 1.0, torch.bfloat16))
+    torch.library.opcheck(torch.ops.rlx.muon_apply_.default,
+                          ([t.clone() for t in p], X.bfloat16(), 0.1, 0.5, 2.0))
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 9)], 6, 10,
+                                             0.9, True, 1e-7, 1.0, torch.float32),
+         "bufs\\[0\\] must have shape"),
+        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10).double()],
+                                             [torch.randn(6, 10)], 6, 10, 0.9, True, 1e-7, 1.0,
+                                             torch.float32),
+         "grads\\[0\\] must be a contiguous float32"),
+        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 10)], 4, 4,
+                                             0.9, True, 1e-7, 1.0, torch.float32),
+         "not a whole number"),
+        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 10)], 6, 10,
+                                             0.9, True, 1e-7, 1.0, torch.float16),
+         "dtype must be float32 or bfloat16"),
+        (lambda: torch.ops.rlx.muon_apply_([torch.randn(6, 10)], torch.randn(2, 6, 10), 0.1,
+                                           0.0, 1.0),
+         "params hold 1 matrices but ortho has 2"),
+    ],
+)
+def test_fused_ops_reject_bad_input(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()

@@ -16,11 +16,12 @@ SHAPES = [(1, 1, 1), (2, 5, 3), (3, 8, 32), (2, 33, 17), (1, 40, 257), (4, 64, 6
           (2, 100, 513), (2, 256, 256), (1, 256, 1024), (0, 4, 4), (2, 7, 0)]
 
 
-def reference(a, b, c, alpha, beta, transposed):
+def reference(a, b, c, alpha, beta, transposed, diag=0.0):
     a, b = a.float(), b.float()
     full = alpha * (a.mT @ b if transposed else a @ b.mT)
     if c is not None:
         full = full + beta * c.float()
+    full = full + diag * torch.eye(full.shape[-1])
     return full.triu() + full.triu(1).mT
 
 
@@ -41,8 +42,8 @@ def operands(N, m, k, transposed, gen, with_c):
 def test_matches_reference_and_is_symmetric(N, m, k, transposed, with_c):
     gen = torch.Generator().manual_seed(N * 1000 + m * 10 + k)
     a, b, c = operands(N, m, k, transposed, gen, with_c)
-    out = symmetric_matmul(a, b, c, alpha=1.7, beta=-0.3, transposed=transposed)
-    ref = reference(a, b, c, 1.7, -0.3, transposed)
+    out = symmetric_matmul(a, b, c, alpha=1.7, beta=-0.3, transposed=transposed, diag=2.5)
+    ref = reference(a, b, c, 1.7, -0.3, transposed, 2.5)
     assert out.dtype == torch.bfloat16 and out.shape == (N, m, m)
     assert torch.equal(out, out.mT)
     # float32 sums in a different order, then one bf16 rounding: within 2 bf16 ulps of the
@@ -70,7 +71,8 @@ def test_non_contiguous_operands():
 
 def test_opcheck():
     a, b, c = operands(2, 19, 37, False, torch.Generator().manual_seed(0), True)
-    torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default, (a, b, c, 1.5, 0.5, False))
+    torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default,
+                          (a, b, c, 1.5, 0.5, False, 0.7))
     at, bt, _ = operands(2, 19, 37, True, torch.Generator().manual_seed(1), False)
     torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default, (at, bt, None, 1.0, 0.0, True))
 
@@ -96,9 +98,10 @@ def test_fallback_path_gives_the_same_contract():
         "    a = torch.randn(2, 30, 41, generator=g).bfloat16()\n"
         "    s = torch.randn(2, 41 if t else 30, 41 if t else 30, generator=g)\n"
         "    c = (s + s.mT).bfloat16()\n"
-        "    out = symmetric_matmul(a, a, c, 1.5, 0.5, t)\n"
+        "    out = symmetric_matmul(a, a, c, 1.5, 0.5, t, diag=3.0)\n"
         "    af = a.float()\n"
         "    full = 1.5 * (af.mT @ af if t else af @ af.mT) + 0.5 * c.float()\n"
+        "    full += 3.0 * torch.eye(full.shape[-1])\n"
         "    assert torch.equal(out, out.mT)\n"
         "    err = (out.float() - full).abs().max().item()\n"
         "    assert err <= 2 ** -7 * full.abs().max().item(), err\n"

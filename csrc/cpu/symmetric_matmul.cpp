@@ -1,5 +1,5 @@
 // Symmetric bf16 products for the Newton–Schulz iteration of Muon (rlx_torch/optim):
-//   out = upper triangle of (beta * c + alpha * a @ b^T), mirrored to the lower one,
+//   out = upper triangle of (beta * c + alpha * a @ b^T + diag * I), mirrored to the lower one,
 // for batches of bf16 matrices a, b [N, m, k] and c [N, m, m] (read on and above the
 // diagonal only), or a^T b for a, b [N, k, m] (`transposed`, the Gram matrix of tall
 // matrices). Every product of the iteration whose result is symmetric has this form: X X^T,
@@ -227,7 +227,7 @@ RLX_AVX512_BF16 inline __attribute__((always_inline)) void transpose_8x8(__m128i
 // (rounded to nearest even; the bf16 conversion treats float32 denormals as zero), and
 // their mirror images out[j][i], the latter as transposed 8 x 8 blocks.
 RLX_AVX512_BF16 void epilogue(const float* acc, const uint16_t* c, uint16_t* out, int64_t m,
-                              int64_t j0, int64_t nr, float alpha, float beta) {
+                              int64_t j0, int64_t nr, float alpha, float beta, float diag) {
   const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
   const int64_t i_end = j0 + nr;
   const uint32_t panel_mask = nr == kCols ? ~0u : (1u << nr) - 1;
@@ -245,6 +245,10 @@ RLX_AVX512_BF16 void epilogue(const float* acc, const uint16_t* c, uint16_t* out
           const __m512 cf =
               _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cb), 16));
           v = _mm512_fmadd_ps(vb, cf, v);
+        }
+        const int64_t d = i - j0 - 16 * h;  // the diagonal's lane in this half, if any
+        if (d >= 0 && d < 16) {
+          v = _mm512_mask_add_ps(v, static_cast<__mmask16>(1u << d), v, _mm512_set1_ps(diag));
         }
         half[h] = (__m256i)_mm512_cvtneps_pbh(v);
       }
@@ -285,7 +289,8 @@ struct Scratch {
 };
 
 void panel(const uint16_t* a, const uint16_t* b, const uint16_t* c, uint16_t* out, int64_t m,
-           int64_t kdim, bool transposed, int64_t j0, float alpha, float beta, Scratch& s) {
+           int64_t kdim, bool transposed, int64_t j0, float alpha, float beta, float diag,
+           Scratch& s) {
 #if RLX_HAVE_AVX512_BF16_PATH
   const int64_t nr = std::min(kCols, m - j0), i_end = j0 + nr;
   const int64_t a_width = (i_end + kCols - 1) / kCols * kCols;
@@ -308,7 +313,7 @@ void panel(const uint16_t* a, const uint16_t* b, const uint16_t* c, uint16_t* ou
       }
     }
   }
-  epilogue(s.acc.data(), c, out, m, j0, nr, alpha, beta);
+  epilogue(s.acc.data(), c, out, m, j0, nr, alpha, beta, diag);
 #endif
 }
 
@@ -338,12 +343,14 @@ at::Tensor symmetrize_upper(const at::Tensor& x) { return x.triu().add_(x.triu(1
 
 at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
                                 const std::optional<at::Tensor>& c_in, double alpha, double beta,
-                                bool transposed) {
+                                bool transposed, double diag) {
   check_operands(a_in, b_in, c_in, transposed);
   if (!cpu_has_avx512_bf16()) {
     const at::Tensor lhs = transposed ? a_in.mT() : a_in, rhs = transposed ? b_in : b_in.mT();
-    return symmetrize_upper(c_in.has_value() ? at::baddbmm(*c_in, lhs, rhs, beta, alpha)
-                                             : at::bmm(lhs, rhs).mul_(alpha));
+    at::Tensor full = c_in.has_value() ? at::baddbmm(*c_in, lhs, rhs, beta, alpha)
+                                       : at::bmm(lhs, rhs).mul_(alpha);
+    full.diagonal(0, -2, -1).add_(diag);
+    return symmetrize_upper(full);
   }
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   const std::optional<at::Tensor> c =
@@ -351,7 +358,9 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
   const int64_t N = a.size(0), m = a.size(transposed ? 2 : 1), kdim = a.size(transposed ? 1 : 2);
   if (N == 0 || m == 0) return at::empty({N, m, m}, a.options());
   if (kdim == 0) {  // a b^T = 0
-    return c ? symmetrize_upper(*c).mul_(beta) : at::zeros({N, m, m}, a.options());
+    at::Tensor out = c ? symmetrize_upper(*c).mul_(beta) : at::zeros({N, m, m}, a.options());
+    out.diagonal(0, -2, -1).add_(diag);
+    return out;
   }
   at::Tensor out = at::empty({N, m, m}, a.options());
   const auto* pa = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
@@ -362,6 +371,7 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
   const int64_t m_pad = (m + kRows - 1) / kRows * kRows;
   const int64_t m_cols = (m + kCols - 1) / kCols * kCols;
   const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
+  const float fd = static_cast<float>(diag);
   at::parallel_for(0, N * panels, 1, [&](int64_t begin, int64_t end) {
     // Kept per thread: fresh buffers (up to 128 KiB) were page-faulted in on every call.
     static thread_local Scratch s;
@@ -376,7 +386,7 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
       const int64_t n = t / panels, r = t % panels;
       const int64_t pj = r % 2 == 0 ? r / 2 : panels - 1 - r / 2;
       panel(pa + n * m * kdim, pb + n * m * kdim, pc ? pc + n * m * m : nullptr, po + n * m * m,
-            m, kdim, transposed, pj * kCols, fa, fb, s);
+            m, kdim, transposed, pj * kCols, fa, fb, fd, s);
     }
   });
   return out;

@@ -1,8 +1,8 @@
 """Symmetric bf16 products for Muon's Newton–Schulz iteration on CPU.
 
-``rlx::symmetric_matmul(a, b, c, alpha, beta, transposed=False) -> out``
+``rlx::symmetric_matmul(a, b, c, alpha, beta, transposed=False, diag=0.0) -> out``
     a, b: bf16 ``[N, m, k]`` (``transposed``: ``[N, k, m]``); c: bf16 ``[N, m, m]`` or None.
-    ``out = beta * c + alpha * a @ b^T`` (``transposed``: ``a^T @ b``) for products whose
+    ``out = beta * c + alpha * a @ b^T + diag * I`` (``transposed``: ``a^T @ b``) for products whose
     result is symmetric: only the upper triangle (c read there) is computed, in float32,
     rounded once to bf16 and mirrored, so ``out`` is exactly symmetric. Native on CPUs with
     AVX512-BF16 (about half the work of a full product); elsewhere a full
@@ -18,12 +18,13 @@ __all__ = ["symmetric_matmul"]
 
 
 @torch.library.register_fake("rlx::symmetric_matmul")
-def _symmetric_matmul_fake(a, b, c, alpha, beta, transposed=False):
+def _symmetric_matmul_fake(a, b, c, alpha, beta, transposed=False, diag=0.0):
     m = a.shape[2] if transposed else a.shape[1]
     return a.new_empty((a.shape[0], m, m))
 
 
-def symmetric_matmul(a, b, c=None, alpha=1.0, beta=1.0, transposed=False):
-    """``beta * c + alpha * a @ b^T`` (``a^T @ b`` when transposed) for a symmetric result;
-    see the module docstring."""
-    return torch.ops.rlx.symmetric_matmul(a, b, c, float(alpha), float(beta), transposed)
+def symmetric_matmul(a, b, c=None, alpha=1.0, beta=1.0, transposed=False, diag=0.0):
+    """``beta * c + alpha * a @ b^T + diag * I`` (``a^T @ b`` when transposed) for a
+    symmetric result; see the module docstring."""
+    return torch.ops.rlx.symmetric_matmul(a, b, c, float(alpha), float(beta), transposed,
+                                          float(diag))

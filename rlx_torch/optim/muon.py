@@ -12,6 +12,7 @@ Matches `torch.optim.Muon` when configured alike (Keller coefficients, `adjust_l
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 
@@ -229,14 +230,22 @@ class Muon(Optimizer):
         momentum, weight_decay = group["momentum"], group["weight_decay"]
         grads = [p.grad for p in params]
         bufs = [self.state[p]["momentum_buffer"] for p in params]
+        ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
+        scale = lr_scale(group["adjust_lr_fn"], rows, cols)
+        if _fused_cpu_step(params, grads, bufs, lr, ns_dtype):
+            # The same step with its elementwise passes fused (csrc/cpu/muon_update.cpp).
+            X = torch.ops.rlx.muon_ns_input(grads, bufs, rows, cols, momentum,
+                                            group["nesterov"], group["eps"], schedule.safety,
+                                            ns_dtype)
+            ortho = newton_schulz(X, schedule, group["eps"], ns_dtype, normalized=True)
+            torch.ops.rlx.muon_apply_(params, ortho.contiguous(), lr, weight_decay, scale)
+            return
 
         torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
         counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
         stacked = _ns_input(grads, bufs, momentum, group["nesterov"], counts, rows, cols)
-        ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
         ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
         del stacked
-        scale = lr_scale(group["adjust_lr_fn"], rows, cols)
         delta = torch.empty(ortho.shape, dtype=dtype, device=device)
 
         def pieces():
@@ -298,6 +307,26 @@ class Muon(Optimizer):
                 p.add_(step_dir * (lr / -bc1))
         else:
             torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / bc1 for bc1 in bias_c1])
+
+
+@functools.cache
+def _native_ops() -> bool:
+    return hasattr(torch.ops.rlx, "muon_ns_input") and hasattr(torch.ops.rlx, "muon_apply_")
+
+
+def _fused_cpu_step(params, grads, bufs, lr, ns_dtype) -> bool:
+    """Whether the fused CPU ops serve this batch: float32 CPU params, contiguous grads and
+    buffers, a host lr, NS in float32 or bf16, and the compiled extension loaded."""
+    p0 = params[0]
+    return (
+        p0.device.type == "cpu"
+        and p0.dtype == torch.float32
+        and not isinstance(lr, Tensor)
+        and ns_dtype in (torch.float32, torch.bfloat16)
+        and all(g.is_contiguous() and g.dtype == torch.float32 for g in grads)
+        and all(b.is_contiguous() for b in bufs)
+        and _native_ops()
+    )
 
 
 def _ns_input(grads, bufs, momentum, nesterov, counts, rows, cols) -> Tensor:

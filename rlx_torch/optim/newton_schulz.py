@@ -137,7 +137,8 @@ def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto") 
 
 
 def newton_schulz(
-    G: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, method: str = "auto"
+    G: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, method: str = "auto",
+    normalized: bool = False,
 ) -> torch.Tensor:
     """Orthogonalizes every matrix of `G` (`[..., m, n]`) in `dtype`; returns a new tensor.
 
@@ -145,13 +146,20 @@ def newton_schulz(
     so callers may pass a momentum buffer. The Gram matrix is always the small side: `X·Xᵀ`
     for wide matrices, `Xᵀ·X` (and right-multiplication) for tall ones, which avoids
     transposed copies. `method`: "standard", "gram" (`_gram_iterations`) or "auto"
-    (`uses_gram`). Makes no host-device synchronisation.
+    (`uses_gram`). `normalized=True`: G is already in `dtype` and divided by its norm (and
+    the schedule's safety factor), as `rlx::muon_ns_input` returns it; it is iterated on
+    directly (never written). Makes no host-device synchronisation.
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have >= 2 dims, got shape {tuple(G.shape)}")
     batch_shape = G.shape[:-2]
     G = G.reshape(-1, *G.shape[-2:])
     tall = G.size(-2) > G.size(-1)
+    if normalized:
+        if G.dtype != dtype:
+            raise ValueError(f"newton_schulz: a normalized G must be {dtype}, got {G.dtype}")
+        X = _iterate(G, schedule, tall, _Products.for_batch(G, dtype), method)
+        return X.reshape(*batch_shape, *X.shape[-2:])
     # Normalise with the norm taken in float32 (a bf16 norm of a large matrix loses digits).
     norm_dtype = torch.promote_types(G.dtype, torch.float32)
     norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
@@ -184,10 +192,13 @@ class _Products:
     def for_batch(G: torch.Tensor, dtype: torch.dtype) -> _Products:
         return _Products(G.device.type == "cpu" and dtype == torch.bfloat16 and _native_cpu())
 
-    def sym(self, a, b, c, alpha=1.0, beta=1.0):
+    def sym(self, a, b, c, alpha=1.0, beta=1.0, diag=0.0):
         if self.native:
-            return torch.ops.rlx.symmetric_matmul(a, b, c, alpha, beta)
-        return torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+            return torch.ops.rlx.symmetric_matmul(a, b, c, alpha, beta, False, diag)
+        out = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+        if diag != 0.0:
+            out.diagonal(dim1=-2, dim2=-1).add_(diag)
+        return out
 
     def gram(self, X: torch.Tensor, tall: bool) -> torch.Tensor:
         """The small-side Gram matrices of the batch X: Xᵀ·X when tall, X·Xᵀ otherwise."""
@@ -209,9 +220,15 @@ def _iterate(X, schedule, tall, products, method):
         return _gram_iterations(X, schedule, tall, products)
     for a, b, c in schedule.coefficients:
         A = products.gram(X, tall)
-        B = products.sym(A, A, A, alpha=c, beta=b)  # b·A + c·A²
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
-        X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
+        if products.native:
+            # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm first copies X into its
+            # result (0.44 ms per 8 x [256, 256] bf16 copy, ~25% of the product).
+            P = products.sym(A, A, A, alpha=c, beta=b, diag=a)  # a·I + b·A + c·A²
+            X = torch.bmm(X, P) if tall else torch.bmm(P, X)
+        else:
+            B = products.sym(A, A, A, alpha=c, beta=b)  # b·A + c·A²
+            X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
     return X
 
 

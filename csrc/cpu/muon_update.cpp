@@ -1,0 +1,205 @@
+// The elementwise parts of a Muon step on CPU, fused (rlx_torch/optim/muon.py):
+//   muon_ns_input: momentum buffer update, Nesterov look-ahead, per-matrix Frobenius norm and
+//                  the normalized Newton–Schulz input, in two passes over each matrix (the
+//                  second reads the matrix back from L2) instead of five passes over the
+//                  whole batch through separate ops;
+//   muon_apply_:   decoupled weight decay and the update, p <- (1 - lr wd) p - lr s O, in one
+//                  pass that reads the bf16 (or float32) result of Newton–Schulz directly.
+// float32 params only (the Python caller keeps the op-by-op path for other dtypes).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+namespace rlx {
+namespace {
+
+// torch.lerp's arithmetic (ATen's lerp): start + w (end - start) for |w| < 0.5, else
+// end - (end - start)(1 - w), so the buffers match a foreach_lerp_ step for step. The branch
+// is a template parameter so that the loops vectorize.
+template <bool kSmall>
+inline float lerp(float start, float end, float w) {
+  return kSmall ? start + w * (end - start) : end - (end - start) * (1.0f - w);
+}
+
+// float -> bf16 bits, rounding to nearest even (NaN stays a quiet NaN), as c10::BFloat16
+// does, written with integer operations so that the loop vectorizes.
+inline uint16_t bf16_bits(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof(u));
+  const uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+  return x != x ? uint16_t(0x7FC0) : static_cast<uint16_t>(rounded);
+}
+
+inline void store_as(float* dst, float x) { *dst = x; }
+inline void store_as(at::BFloat16* dst, float x) {
+  dst->x = bf16_bits(x);
+}
+
+// Maps matrix index -> (tensor, offset of the matrix in it), for lists of [count, rows, cols].
+struct MatrixIndex {
+  std::vector<int64_t> first;  // first matrix of each tensor, plus the total at the end
+  int64_t size;                // rows * cols
+
+  MatrixIndex(const at::TensorList& tensors, int64_t size) : size(size) {
+    first.push_back(0);
+    for (const at::Tensor& t : tensors) first.push_back(first.back() + t.numel() / size);
+  }
+  int64_t total() const { return first.back(); }
+  std::pair<int64_t, int64_t> locate(int64_t matrix) const {
+    const int64_t i =
+        std::upper_bound(first.begin(), first.end(), matrix) - first.begin() - 1;
+    return {i, (matrix - first[i]) * size};
+  }
+};
+
+void check_list(const char* op, const char* name, const at::TensorList& list,
+                const at::TensorList& like, int64_t size) {
+  TORCH_CHECK(list.size() == like.size(), op, ": ", name, " must hold ", like.size(),
+              " tensors, got ", list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), op,
+                ": ", name, "[", i, "] must be a contiguous float32 CPU tensor, got ",
+                t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (strided)");
+    TORCH_CHECK(t.sizes() == like[i].sizes(), op, ": ", name, "[", i, "] must have shape ",
+                like[i].sizes(), ", got ", t.sizes());
+    TORCH_CHECK(size > 0 && t.numel() % size == 0, op, ": ", name, "[", i, "] (", t.numel(),
+                " elements) is not a whole number of ", size, "-element matrices");
+  }
+}
+
+// One matrix of n values: pass 1 updates the buffer and sums the squares of the update
+// (8 float lanes, then a double, in a fixed order: reproducible); pass 2 writes the
+// normalized update, rounded once to out_t.
+template <bool kSmallW, bool kSmallMomentum, bool kNesterov, typename out_t>
+void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, float w,
+                     float momentum, double eps, double safety, out_t* __restrict x) {
+  auto update = [&](float gi, float bi) {
+    return kNesterov ? lerp<kSmallMomentum>(gi, bi, momentum) : bi;
+  };
+  float lanes[8] = {};
+  const int64_t n8 = n / 8 * 8;
+  for (int64_t i0 = 0; i0 < n8; i0 += 8) {
+    for (int64_t l = 0; l < 8; ++l) {
+      const float nb = lerp<kSmallW>(b[i0 + l], g[i0 + l], w);
+      b[i0 + l] = nb;
+      const float u = update(g[i0 + l], nb);
+      lanes[l] += u * u;
+    }
+  }
+  for (int64_t i = n8; i < n; ++i) {
+    b[i] = lerp<kSmallW>(b[i], g[i], w);
+    const float u = update(g[i], b[i]);
+    lanes[i - n8] += u * u;
+  }
+  double ss = 0;
+  for (float s : lanes) ss += s;
+  const float inv = static_cast<float>(1.0 / std::max(std::sqrt(ss) * safety, eps));
+  for (int64_t i = 0; i < n; ++i) store_as(x + i, update(g[i], b[i]) * inv);
+}
+
+template <typename out_t>
+void ns_input_kernel(const at::TensorList& grads, const at::TensorList& bufs,
+                     const MatrixIndex& index, float momentum, bool nesterov, double eps,
+                     double safety, out_t* out) {
+  const float w = 1.0f - momentum;
+  auto matrix = [&](const float* g, float* b, out_t* x) {
+    const int64_t n = index.size;
+    const bool small_w = std::abs(w) < 0.5f, small_m = std::abs(momentum) < 0.5f;
+    if (!nesterov) {
+      small_w ? ns_input_matrix<true, true, false>(g, b, n, w, momentum, eps, safety, x)
+              : ns_input_matrix<false, true, false>(g, b, n, w, momentum, eps, safety, x);
+    } else if (small_w && !small_m) {  // the usual momentum, 0.5 < mu < 1
+      ns_input_matrix<true, false, true>(g, b, n, w, momentum, eps, safety, x);
+    } else if (small_w) {
+      ns_input_matrix<true, true, true>(g, b, n, w, momentum, eps, safety, x);
+    } else if (small_m) {
+      ns_input_matrix<false, true, true>(g, b, n, w, momentum, eps, safety, x);
+    } else {
+      ns_input_matrix<false, false, true>(g, b, n, w, momentum, eps, safety, x);
+    }
+  };
+  at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mat = begin; mat < end; ++mat) {
+      const auto [t, offset] = index.locate(mat);
+      matrix(grads[t].data_ptr<float>() + offset, bufs[t].data_ptr<float>() + offset,
+             out + mat * index.size);
+    }
+  });
+}
+
+at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t rows,
+                             int64_t cols, double momentum, bool nesterov, double eps,
+                             double safety, at::ScalarType dtype) {
+  const char* op = "rlx::muon_ns_input";
+  check_list(op, "grads", grads, grads, rows * cols);
+  check_list(op, "bufs", bufs, grads, rows * cols);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
+              ": dtype must be float32 or bfloat16, got ", dtype);
+  const MatrixIndex index(grads, rows * cols);
+  at::Tensor out = at::empty({index.total(), rows, cols}, at::TensorOptions().dtype(dtype));
+  if (dtype == at::kFloat) {
+    ns_input_kernel(grads, bufs, index, static_cast<float>(momentum), nesterov, eps, safety,
+                    out.data_ptr<float>());
+  } else {
+    ns_input_kernel(grads, bufs, index, static_cast<float>(momentum), nesterov, eps, safety,
+                    out.data_ptr<at::BFloat16>());
+  }
+  return out;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+template <typename in_t>
+void apply_kernel(const at::TensorList& params, const in_t* ortho, const MatrixIndex& index,
+                  float decay, float step) {
+  at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mat = begin; mat < end; ++mat) {
+      const auto [t, offset] = index.locate(mat);
+      float* p = params[t].data_ptr<float>() + offset;
+      const in_t* o = ortho + mat * index.size;
+      for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
+    }
+  });
+}
+
+void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
+                    double weight_decay, double scale) {
+  const char* op = "rlx::muon_apply_";
+  TORCH_CHECK(ortho.dim() == 3 && ortho.device().is_cpu() && ortho.is_contiguous() &&
+                  (ortho.scalar_type() == at::kFloat || ortho.scalar_type() == at::kBFloat16),
+              op, ": ortho must be a contiguous float32 or bfloat16 CPU tensor [N, rows, cols],",
+              " got ", ortho.scalar_type(), " ", ortho.sizes());
+  const int64_t size = ortho.size(1) * ortho.size(2);
+  check_list(op, "params", params, params, size);
+  const MatrixIndex index(params, size);
+  TORCH_CHECK(index.total() == ortho.size(0), op, ": params hold ", index.total(),
+              " matrices but ortho has ", ortho.size(0));
+  const float decay = static_cast<float>(1.0 - lr * weight_decay);
+  const float step = static_cast<float>(lr * scale);
+  if (ortho.scalar_type() == at::kFloat) {
+    apply_kernel(params, ortho.data_ptr<float>(), index, decay, step);
+  } else {
+    apply_kernel(params, ortho.data_ptr<at::BFloat16>(), index, decay, step);
+  }
+}
+
+}  // namespace
+}  // namespace rlx
+
+TORCH_LIBRARY_IMPL(rlx, CPU, m) {
+  m.impl("muon_ns_input", &rlx::muon_ns_input_cpu);
+  m.impl("muon_apply_", &rlx::muon_apply_cpu);
+}
