@@ -783,6 +783,22 @@ def test_fused_cpu_step_matches_the_op_by_op_step(monkeypatch, ns_dtype, nestero
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
 
 
+def test_non_contiguous_params_and_grads_take_the_op_by_op_path():
+    torch.manual_seed(0)
+    base = torch.randn(40, 24)
+    p = nn.Parameter(base.t())  # a transposed (non-contiguous) param, contiguous grad
+    p.grad = torch.randn(24, 40)
+    q = nn.Parameter(torch.randn(24, 40))
+    q.grad = torch.randn(40, 24).t()  # a non-contiguous grad
+    twins = [nn.Parameter(t.detach().contiguous()) for t in (p, q)]
+    for twin, orig in zip(twins, (p, q), strict=True):
+        twin.grad = orig.grad.contiguous()
+    Muon([p, q], weight_decay=0.1).step()
+    Muon(twins, weight_decay=0.1).step()  # contiguous: the fused path
+    for a, b in zip((p, q), twins, strict=True):
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-5)
+
+
 def test_fused_ops_opcheck_and_reference():
     g = [torch.randn(6, 10), torch.randn(2, 6, 10)]
     b = [torch.randn(6, 10), torch.randn(2, 6, 10)]

@@ -315,7 +315,7 @@ def _native_ops() -> bool:
 
 
 def _fused_cpu_step(params, grads, bufs, lr, ns_dtype) -> bool:
-    """Whether the fused CPU ops serve this batch: float32 CPU params, contiguous grads and
+    """Whether the fused CPU ops serve this batch: contiguous float32 CPU params, grads and
     buffers, a host lr, NS in float32 or bf16, and the compiled extension loaded."""
     p0 = params[0]
     return (
@@ -323,6 +323,7 @@ def _fused_cpu_step(params, grads, bufs, lr, ns_dtype) -> bool:
         and p0.dtype == torch.float32
         and not isinstance(lr, Tensor)
         and ns_dtype in (torch.float32, torch.bfloat16)
+        and all(t.is_contiguous() for t in params)
         and all(g.is_contiguous() and g.dtype == torch.float32 for g in grads)
         and all(b.is_contiguous() for b in bufs)
         and _native_ops()
