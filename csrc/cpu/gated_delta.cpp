@@ -9,8 +9,10 @@
 // Backward: parallel over (sequence, q/k head); for each value head of the group it walks
 // the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
 // when they are very large, see backward_kernel), and runs the reverse recurrence for dS
-// over them. dq/dk of a group are summed over its value heads in a fixed order, so results
-// are bitwise reproducible.
+// over them, one block of columns at a time (the columns evolve independently; a block's
+// states fit L2): the per-token row factors are computed once per chunk for all blocks, and
+// the blocks' partial dq/dk/dg/dbeta are summed in a fixed order. dq/dk of a group are summed
+// over its value heads in a fixed order, so results are bitwise reproducible.
 // Both directions stream the state once per token: each pass also accumulates the next
 // token's state projection (software pipelining), and the state (forward) and dS
 // (backward) are kept lazily decayed, scaled by per-row factors in [2^-20, 2^20] that are
@@ -140,6 +142,11 @@ constexpr int64_t kPrefetchTokens = 4;
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+inline void prefetch_rows_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
 
 // Forward, one pass over the state per token. The state block is kept lazily decayed,
@@ -398,24 +405,48 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
 // it). Like the forward, the pass also accumulates the next token's P^T k from the values
 // it writes: w_part[j] = dst_j * f (per lane; f = a' k' of the next token), so each token
 // streams the state once. Rows run over Kp (padding rows are zero in src and f).
+// NR row blocks at once (w_part[j] is loaded and stored once for them); pf: the same rows
+// of the state two tokens ahead, prefetched for writing (their lines would otherwise be
+// read only when the store misses).
+template <int64_t NR, typename acc_t>
+inline void recompute_rows(const acc_t* __restrict src, acc_t* __restrict dst, int64_t rb,
+                           int64_t V, int64_t ld, const acc_t* __restrict a,
+                           const acc_t* __restrict kv, const acc_t* __restrict f,
+                           const acc_t* __restrict u, const acc_t* pf,
+                           Vec256<acc_t>* __restrict w_part) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec a8[NR], k8[NR], f8[NR];
+  for (int64_t m = 0; m < NR; ++m) {
+    a8[m] = load_vec(a + rb + m * L);
+    k8[m] = load_vec(kv + rb + m * L);
+    f8[m] = load_vec(f + rb + m * L);
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    const acc_t uj = u[j];
+    __builtin_prefetch(pf + j * ld + rb, 1);
+    vec wj = w_part[j];
+    for (int64_t m = 0; m < NR; ++m) {
+      const int64_t i = j * ld + rb + m * L;
+      const vec x = a8[m] * load_vec(src + i) + k8[m] * uj;
+      store_vec(dst + i, x);
+      wj += f8[m] * x;
+    }
+    w_part[j] = wj;
+  }
+}
+
 template <typename acc_t>
 inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, int64_t Kp,
                            int64_t V, int64_t ld, const acc_t* __restrict a,
                            const acc_t* __restrict kv, const acc_t* __restrict f,
-                           const acc_t* __restrict vw, acc_t b,
+                           const acc_t* __restrict u, const acc_t* pf,
                            Vec256<acc_t>* __restrict w_part) {
-  using vec = Vec256<acc_t>;
-  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  for (int64_t j = 0; j < V; ++j) w_part[j] = vec{};
-  for (int64_t rb = 0; rb < Kp; rb += L) {
-    const vec a8 = load_vec(a + rb), k8 = load_vec(kv + rb), f8 = load_vec(f + rb);
-    for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * ld + rb;
-      const vec x = a8 * load_vec(src + i) + k8 * (b * vw[j]);
-      store_vec(dst + i, x);
-      w_part[j] += f8 * x;
-    }
-  }
+  constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
+  for (int64_t j = 0; j < V; ++j) w_part[j] = Vec256<acc_t>{};
+  int64_t rb = 0;
+  for (; rb + 2 * L <= Kp; rb += 2 * L) recompute_rows<2>(src, dst, rb, V, ld, a, kv, f, u, pf, w_part);
+  if (rb < Kp) recompute_rows<1>(src, dst, rb, V, ld, a, kv, f, u, pf, w_part);
 }
 
 // w_part[j] = src_j * f per lane (the first recomputed token's P^T k, before the pipeline).
@@ -456,40 +487,76 @@ struct ReverseRows {
   const acc_t *ren;  // e', the renormalizing step's row factors
 };
 
-template <bool kRenorm, typename acc_t>
-inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t Kp,
-                         int64_t V, int64_t ld,
-                         const ReverseRows<acc_t>& rows, const acc_t* __restrict go,
-                         const acc_t* __restrict u, const acc_t* __restrict dw,
+// NR row blocks at once: the column scalars and z[j] are loaded once for them, and the
+// NR sets of accumulators are independent FMA chains (one set alone waits on the FMA
+// latency at every column).
+template <int64_t NR, bool kRenorm, typename acc_t>
+inline void reverse_rows(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t rb,
+                         int64_t V, int64_t ld, const ReverseRows<acc_t>& rows,
+                         const acc_t* __restrict go, const acc_t* __restrict u,
+                         const acc_t* __restrict dw, bool first, const acc_t* pf,
                          acc_t* __restrict dq, acc_t* __restrict dkA, acc_t* __restrict dkB,
                          acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  for (int64_t j = 0; j < V; ++j) z[j] = vec{};
-  for (int64_t rb = 0; rb < Kp; rb += L) {
-    const vec q8 = load_vec(rows.qe + rb), k8 = load_vec(rows.ke + rb);
-    const vec kp8 = load_vec(rows.kp + rb);
-    vec ren8 = {};
-    if (kRenorm) ren8 = load_vec(rows.ren + rb);
-    vec dq8 = {}, dkA8 = {}, dkB8 = {}, dg8 = {};
-    for (int64_t j = 0; j < V; ++j) {
-      const int64_t i = j * ld + rb;
-      const acc_t goj = go[j], uj = u[j], dwj = dw[j];
+  vec q8[NR], k8[NR], kp8[NR], ren8[NR], dq8[NR] = {}, dkA8[NR] = {}, dkB8[NR] = {},
+      dg8[NR] = {};
+  for (int64_t m = 0; m < NR; ++m) {
+    q8[m] = load_vec(rows.qe + rb + m * L);
+    k8[m] = load_vec(rows.ke + rb + m * L);
+    kp8[m] = load_vec(rows.kp + rb + m * L);
+    ren8[m] = kRenorm ? load_vec(rows.ren + rb + m * L) : vec{};
+  }
+  for (int64_t j = 0; j < V; ++j) {
+    const acc_t goj = go[j], uj = u[j], dwj = dw[j];
+    __builtin_prefetch(pf + j * ld + rb);
+    vec zj = z[j];
+    for (int64_t m = 0; m < NR; ++m) {
+      const int64_t i = j * ld + rb + m * L;
       const vec s = load_vec(Sp + i);
-      const vec d = load_vec(dS + i) + q8 * goj;
-      dq8 += goj * s;
-      dkA8 += uj * d;
-      vec dP = d + k8 * dwj;
-      dkB8 += dwj * s;
-      dg8 += dP * s;
-      if (kRenorm) dP = ren8 * dP;
+      const vec d = load_vec(dS + i) + q8[m] * goj;
+      dq8[m] += goj * s;
+      dkA8[m] += uj * d;
+      vec dP = d + k8[m] * dwj;
+      dkB8[m] += dwj * s;
+      dg8[m] += dP * s;
+      if (kRenorm) dP = ren8[m] * dP;
       store_vec(dS + i, dP);
-      z[j] += dP * kp8;
+      zj += dP * kp8[m];
     }
-    store_vec(dq + rb, dq8);
-    store_vec(dkA + rb, dkA8);
-    store_vec(dkB + rb, dkB8);
-    store_vec(dg + rb, dg8);
+    z[j] = zj;
+  }
+  for (int64_t m = 0; m < NR; ++m) {
+    const int64_t o = rb + m * L;
+    if (first) {
+      store_vec(dq + o, dq8[m]);
+      store_vec(dkA + o, dkA8[m]);
+      store_vec(dkB + o, dkB8[m]);
+      store_vec(dg + o, dg8[m]);
+    } else {
+      store_vec(dq + o, load_vec(dq + o) + dq8[m]);
+      store_vec(dkA + o, load_vec(dkA + o) + dkA8[m]);
+      store_vec(dkB + o, load_vec(dkB + o) + dkB8[m]);
+      store_vec(dg + o, load_vec(dg + o) + dg8[m]);
+    }
+  }
+}
+
+template <bool kRenorm, typename acc_t>
+inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64_t Kp,
+                         int64_t V, int64_t ld,
+                         const ReverseRows<acc_t>& rows, const acc_t* __restrict go,
+                         const acc_t* __restrict u, const acc_t* __restrict dw, bool first,
+                         const acc_t* pf, acc_t* __restrict dq, acc_t* __restrict dkA, acc_t* __restrict dkB,
+                         acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
+  constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
+  for (int64_t j = 0; j < V; ++j) z[j] = Vec256<acc_t>{};
+  int64_t rb = 0;
+  for (; rb + 2 * L <= Kp; rb += 2 * L) {
+    reverse_rows<2, kRenorm>(Sp, dS, rb, V, ld, rows, go, u, dw, first, pf, dq, dkA, dkB, dg, z);
+  }
+  if (rb < Kp) {
+    reverse_rows<1, kRenorm>(Sp, dS, rb, V, ld, rows, go, u, dw, first, pf, dq, dkA, dkB, dg, z);
   }
 }
 
@@ -501,6 +568,26 @@ inline acc_t hsum(const Vec256<acc_t>& x) {
   return s;
 }
 
+// Row-major [K, V] state columns [v0, v0 + nv) -> column-major block with column stride ld.
+template <typename acc_t>
+inline void gather_block(const acc_t* src, int64_t K, int64_t V, int64_t v0, int64_t nv,
+                         int64_t ld, acc_t* dst) {
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t j = 0; j < nv; ++j) dst[j * ld + r] = src[r * V + v0 + j];
+  }
+}
+
+// Columns of a backward block: a chunk's recomputed states of one block (C + 1 of them, 300
+// KiB for K = 64) then stay in L2 next to the per-token rows, and a state next to the block's
+// dS in L1. Measured on the 2-core EPYC (K = V = 64, 1 thread): 16 columns (4.5 KiB states)
+// 12.2-13.3 ms, 8 columns 14.5-14.8, 24 columns 13.9-17.4, all 64 columns 15.4-16.8.
+template <typename acc_t>
+inline int64_t backward_block_columns(int64_t V, int64_t ld) {
+  constexpr int64_t L = 32 / sizeof(acc_t), kBlockBytes = 4608;
+  const int64_t bv = kBlockBytes / (ld * int64_t(sizeof(acc_t))) / L * L;
+  return std::min(V, std::max(L, bv));
+}
+
 template <typename in_t, typename acc_t>
 void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                      const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,
@@ -508,66 +595,118 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk, KV = K * V, G = p.group();
   constexpr int64_t L = 32 / sizeof(acc_t);
-  // Scratch states are column-major with a padded column stride; SV values each.
+  // Scratch states are column-major with a padded column stride; SV values each, BS for the
+  // BV columns of a block.
   const int64_t ld = padded_column_stride<acc_t>(K), SV = V * ld, Kp = (K + L - 1) / L * L;
+  const int64_t BV = backward_block_columns<acc_t>(V, ld), BS = BV * ld;
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
   const acc_t lo = std::ldexp(acc_t(1), -20), hi = std::ldexp(acc_t(1), 20);
-  const int64_t Vv = V / L * L;
   using vec = Vec256<acc_t>;
   using ivec = decltype(vec{} < vec{});  // comparison masks
+  // Sub-chunk length: a block's states and the per-token rows take at most 8 MiB (only very
+  // large states or chunks are split; see the two-level recomputation below).
+  // Kp-long rows kept per token of a sub-chunk (see rowbuf).
+  enum : int64_t { kA, kK, kAK, kQE, kKE, kKP, kRen, kE, kDQ, kDKA, kDKB, kDG, kTokenRows };
+  const int64_t Cs = std::clamp<int64_t>(
+      (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1, C);
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
-  // Sub-chunk length: its states take at most 8 MiB. Measured on the 2-core EPYC, a whole
-  // chunk of 64 states (1.2 MiB for K = V = 64, 4.4 MiB for 128) streams from L2/L3 faster
-  // than an extra recomputation walk costs (L2-sized sub-chunks of 256 KiB were 15-40%
-  // slower), so sub-chunks only bound the scratch for very large states or chunks.
-  const int64_t Cs =
-      std::clamp<int64_t>((int64_t(8) << 20) / (SV * int64_t(sizeof(acc_t))), 1, C);
   at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
     // Two levels of recomputation bound the scratch: a chunk is first walked forward from
     // its checkpoint keeping only the state at every sub-chunk start (subs); then each
-    // sub-chunk, last first, recomputes its Cs states (states[i] = S before its token i)
-    // and runs the reverse recurrence over them. With Cs = C (the usual case) the first
-    // walk does nothing.
-    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * SV), states((Cs + 1) * SV), dS(SV), vws(Cs * V);
-    AccVec<acc_t> a(Kp, 1), e(Kp), kv(Kp), qs(Kp), kprev(Kp), vv(V), go(V), u(V), dw(V), z(V);
-    AccVec<acc_t> an(Kp, 1), kn(Kp), f(Kp), w(V);  // recompute: next token's a, k; a k; P^T k
-    AccVec<acc_t> qe(Kp), ke(Kp), kp(Kp), ren(Kp), dqt(Kp), dkA(Kp), dkB(Kp), dgt(Kp);
-    std::vector<Vec256<acc_t>> zpart(V);
-    // Recomputes tokens [tok0, tok0 + count) from states[0], filling states[1..count], vws.
-    auto recompute = [&](int64_t tok0, int64_t count, int64_t h, int64_t hv) {
-      // f = a k of token tok (a, kv: its decays and key), the factors of its P^T k.
-      auto factors = [&](int64_t tok, acc_t* ad, acc_t* kd, acc_t* fd) {
-        load_decay(p, in.g, tok, hv, ad);
-        load_row(in.k, tok, H, h, K, kd);
-        for (int64_t r = 0; r < Kp; ++r) fd[r] = ad[r] * kd[r];
-      };
-      if (count == 0) return;
-      factors(tok0, a.data(), kv.data(), f.data());
-      project_columns(&states[0], Kp, V, ld, f.data(), zpart.data());
-      for (int64_t j = 0; j < V; ++j) w[j] = hsum<acc_t>(zpart[j]);
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t tok = tok0 + i;
-        if (i + kPrefetchTokens < count) {
-          const int64_t tp = tok + kPrefetchTokens;
+    // sub-chunk, last first, recomputes its states (states[i] = S before its token i) block
+    // by block and runs the reverse recurrence of the block over them. With Cs = C (the
+    // usual case) the first walk does nothing.
+    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * SV), states((Cs + 1) * BS), dS(SV), vws(Cs * BV);
+    // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
+    // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
+    // token, and the sums over the blocks of dq, dk, dg partials (sdq..sdg), du . vw, go . u.
+    // A token's rows lie together: as separate arrays their rows of one token would fall in
+    // the same L1 sets (the arrays are a multiple of 4 KiB apart).
+    AccVec<acc_t> rowbuf((Cs + 1) * kTokenRows * Kp), tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs);
+    auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
+    std::vector<char> trenorm(Cs);
+    AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
+    AccVec<acc_t> dqt(Kp), dkt(Kp), dgt(Kp);
+    std::vector<Vec256<acc_t>> zpart(BV);
+    // Row factors of tokens [t0, t0 + len) for the recompute.
+    auto forward_rows = [&](int64_t t0, int64_t len, int64_t h, int64_t hv) {
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t tok = t0 + i;
+        acc_t *a = row(kA, i), *kr = row(kK, i), *ak = row(kAK, i);
+        load_decay(p, in.g, tok, hv, a);
+        load_row(in.k, tok, H, h, K, kr);
+        for (int64_t r = K; r < Kp; ++r) {  // padding rows: a = 1, k = 0
+          a[r] = 1;
+          kr[r] = 0;
+        }
+        for (int64_t r = 0; r < Kp; ++r) ak[r] = a[r] * kr[r];
+        tb[i] = in.beta[tok * HV + hv];
+      }
+      std::fill(row(kAK, len), row(kAK, len) + Kp, acc_t(0));
+    };
+    // ReverseRows of tokens [t0, t0 + len), last first, advancing e (vectors over the padded
+    // rows: a = e = ren = 1 and q = k = 0 there, so padding rows stay zero and never trigger
+    // a renormalization).
+    auto reverse_rows_of = [&](int64_t t0, int64_t len, int64_t h, int64_t bos) {
+      for (int64_t i = len - 1; i >= 0; --i) {
+        const int64_t tok = t0 + i;
+        if (tok - kPrefetchTokens >= bos) {
+          const int64_t tp = tok - kPrefetchTokens;
+          prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
           prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
-          prefetch_bytes(in.v + (tp * HV + hv) * V, V * sizeof(in_t));
         }
-        load_row(in.v, tok, HV, hv, V, vv.data());
-        acc_t* vw = &vws[i * V];
-        for (int64_t j = 0; j < V; ++j) vw[j] = vv[j] - w[j];
-        if (i + 1 < count) {
-          factors(tok + 1, an.data(), kn.data(), f.data());
-        } else {
-          std::fill(f.begin(), f.end(), acc_t(0));
+        load_row(in.q, tok, H, h, K, qs.data());
+        if (tok > bos) load_row(in.k, tok - 1, H, h, K, kprev.data());
+        const acc_t *a = row(kA, i), *kr = row(kK, i);
+        acc_t *qe = row(kQE, i), *ke = row(kKE, i), *ren = row(kRen, i);
+        vec qk8 = {};
+        ivec ok8 = ~ivec{};
+        for (int64_t rb = 0; rb < Kp; rb += L) {
+          const vec e8 = load_vec(&e[rb]), en8 = load_vec(a + rb) * e8;
+          const vec inv8 = acc_t(1) / e8, q8 = in.scale * load_vec(&qs[rb]);
+          const vec k8 = load_vec(kr + rb);
+          qk8 += q8 * k8;
+          store_vec(qe + rb, q8 * inv8);
+          store_vec(ke + rb, k8 * inv8);
+          store_vec(ren + rb, en8);
+          ok8 &= (en8 >= lo) & (en8 <= hi);  // false for NaN too
         }
-        recompute_step(&states[i * SV], &states[(i + 1) * SV], Kp, V, ld, a.data(), kv.data(),
-                       f.data(), vw, in.beta[tok * HV + hv], zpart.data());
-        for (int64_t j = 0; j < V; ++j) w[j] = hsum<acc_t>(zpart[j]);
-        std::swap(a, an);
-        std::swap(kv, kn);
+        bool renorm = false;
+        for (int64_t l = 0; l < L; ++l) renorm |= ok8[l] == 0;
+        trenorm[i] = renorm;
+        tqk[i] = hsum<acc_t>(qk8);
+        for (int64_t rb = 0; rb < Kp; rb += L) {
+          const vec k8 = tok > bos ? load_vec(&kprev[rb]) : vec{};
+          const vec ren8 = load_vec(ren + rb);
+          store_vec(row(kKP, i) + rb, renorm ? k8 : k8 * ren8);
+          store_vec(row(kE, i) + rb, load_vec(&e[rb]));
+          store_vec(&e[rb], renorm ? vec{} + acc_t(1) : ren8);
+        }
+      }
+    };
+    // Recomputes tokens [t0, t0 + len) on columns [v0, v0 + nv) from states[0], filling
+    // states[1..len] and vws.
+    auto recompute = [&](int64_t t0, int64_t len, int64_t hv, int64_t v0, int64_t nv) {
+      project_columns(&states[0], Kp, nv, ld, row(kAK, 0), zpart.data());
+      for (int64_t j = 0; j < nv; ++j) w[j] = hsum<acc_t>(zpart[j]);
+      for (int64_t i = 0; i < len; ++i) {
+        const int64_t tok = t0 + i;
+        if (i + kPrefetchTokens < len) {
+          prefetch_bytes(in.v + ((tok + kPrefetchTokens) * HV + hv) * V + v0, nv * sizeof(in_t));
+        }
+        const in_t* vt = in.v + (tok * HV + hv) * V + v0;
+        acc_t* vw = &vws[i * BV];
+        for (int64_t j = 0; j < nv; ++j) {
+          vw[j] = static_cast<acc_t>(vt[j]) - w[j];
+          u[j] = tb[i] * vw[j];
+        }
+        recompute_step(&states[i * BS], &states[(i + 1) * BS], Kp, nv, ld, row(kA, i),
+                       row(kK, i), row(kAK, i + 1), u.data(),
+                       &states[std::min(i + 2, len) * BS], zpart.data());
+        for (int64_t j = 0; j < nv; ++j) w[j] = hsum<acc_t>(zpart[j]);
       }
     };
     for (int64_t task = begin; task < end; ++task) {
@@ -596,105 +735,109 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           const int64_t nsub = gdn_num_chunks(len, Cs);
           gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, ld, subs.data());
           for (int64_t s = 0; s + 1 < nsub; ++s) {
-            std::memcpy(states.data(), &subs[s * SV], SV * sizeof(acc_t));
-            recompute(t0 + s * Cs, Cs, h, hv);
-            std::memcpy(&subs[(s + 1) * SV], &states[Cs * SV], SV * sizeof(acc_t));
+            forward_rows(t0 + s * Cs, Cs, h, hv);
+            for (int64_t v0 = 0; v0 < V; v0 += BV) {
+              const int64_t nv = std::min(BV, V - v0);
+              std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+              recompute(t0 + s * Cs, Cs, hv, v0, nv);
+              std::memcpy(&subs[(s + 1) * SV + v0 * ld], &states[Cs * BS],
+                          nv * ld * sizeof(acc_t));
+            }
           }
           for (int64_t s = nsub - 1; s >= 0; --s) {
             const int64_t s0 = t0 + s * Cs, slen = std::min(Cs, t0 + len - s0);
-            std::memcpy(states.data(), &subs[s * SV], SV * sizeof(acc_t));
-            recompute(s0, slen, h, hv);
-            for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
+            // The rows of the inputs of the sub-chunk processed next (they lie one or more
+            // KiB apart and the walk over sub-chunks runs backwards: the hardware does not
+            // prefetch them) go to L2 during this one.
+            for (int64_t tok = std::max(bos, s0 - Cs); tok < s0; ++tok) {
+              prefetch_rows_l2(in.q + (tok * H + h) * K, K * sizeof(in_t));
+              prefetch_rows_l2(in.k + (tok * H + h) * K, K * sizeof(in_t));
+              prefetch_rows_l2(in.v + (tok * HV + hv) * V, V * sizeof(in_t));
+              prefetch_rows_l2(grad_o + (tok * HV + hv) * V, V * sizeof(in_t));
+              prefetch_rows_l2(in.g + (tok * HV + hv) * (p.gate_per_channel ? K : 1),
+                               (p.gate_per_channel ? K : 1) * sizeof(acc_t));
+            }
+            forward_rows(s0, slen, h, hv);
+            reverse_rows_of(s0, slen, h, bos);
+            for (int64_t v0 = 0; v0 < V; v0 += BV) {
+              const int64_t nv = std::min(BV, V - v0), nvv = nv / L * L;
+              const bool first = v0 == 0;  // assigns the sums over blocks
+              std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+              recompute(s0, slen, hv, v0, nv);
+              acc_t* dSb = &dS[v0 * ld];
+              for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
+                const int64_t tok = s0 + i;
+                if (tok - kPrefetchTokens >= s0) {
+                  prefetch_bytes(grad_o + ((tok - kPrefetchTokens) * HV + hv) * V + v0,
+                                 nv * sizeof(in_t));
+                }
+                // Column scalars: du_j from the pipelined z_j.
+                const acc_t b = tb[i], qk = tqk[i];
+                const acc_t* vw = &vws[i * BV];
+                const in_t* got = grad_o + (tok * HV + hv) * V + v0;
+                for (int64_t j = 0; j < nv; ++j) go[j] = static_cast<acc_t>(got[j]);
+                acc_t* dv_row = dv + (tok * HV + hv) * V + v0;
+                acc_t* zb = &z[v0];
+                vec db8 = {}, gu8 = {};
+                for (int64_t j = 0; j < nvv; j += L) {
+                  const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
+                  const vec du8 = load_vec(zb + j) + go8 * qk, u8 = b * vw8;
+                  store_vec(dv_row + j, b * du8);
+                  db8 += du8 * vw8;
+                  gu8 += go8 * u8;
+                  store_vec(&dw[j], -b * du8);
+                  store_vec(&u[j], u8);
+                }
+                acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8);
+                for (int64_t j = nvv; j < nv; ++j) {
+                  const acc_t du = zb[j] + go[j] * qk;
+                  dv_row[j] = b * du;
+                  db += du * vw[j];
+                  dw[j] = -b * du;
+                  u[j] = b * vw[j];
+                  gu += go[j] * u[j];
+                }
+                sdb[i] = first ? db : sdb[i] + db;
+                sgu[i] = first ? gu : sgu[i] + gu;
+                const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
+                                              row(kRen, i)};
+                const acc_t* pf = &states[std::max<int64_t>(i - 1, 0) * BS];  // next token's
+                if (trenorm[i]) {
+                  reverse_step<true>(&states[i * BS], dSb, Kp, nv, ld, rows, go.data(),
+                                     u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i), row(kDKB, i),
+                                     row(kDG, i), zpart.data());
+                } else {
+                  reverse_step<false>(&states[i * BS], dSb, Kp, nv, ld, rows, go.data(),
+                                      u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i), row(kDKB, i),
+                                      row(kDG, i), zpart.data());
+                }
+                for (int64_t j = 0; j < nv; ++j) zb[j] = hsum<acc_t>(zpart[j]);
+              }
+            }
+            // The sub-chunk's gradients from the sums over its blocks.
+            for (int64_t i = 0; i < slen; ++i) {
               const int64_t tok = s0 + i;
-              if (tok - kPrefetchTokens >= bos) {
-                const int64_t tp = tok - kPrefetchTokens;
-                prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
-                prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
-                prefetch_bytes(grad_o + (tp * HV + hv) * V, V * sizeof(in_t));
-              }
-              // Row factors (vectors over the padded rows: a = e = ren = 1 and q = k = 0
-              // there, so padding rows stay zero and never trigger a renormalization).
-              load_decay(p, in.g, tok, hv, a.data());
-              load_row(in.q, tok, H, h, K, qs.data());
-              load_row(in.k, tok, H, h, K, kv.data());
-              if (tok > bos) load_row(in.k, tok - 1, H, h, K, kprev.data());
-              vec qk8 = {};
-              ivec ok8 = ~ivec{};
-              for (int64_t rb = 0; rb < Kp; rb += L) {
-                const vec e8 = load_vec(&e[rb]), en8 = load_vec(&a[rb]) * e8;
-                const vec inv8 = acc_t(1) / e8, q8 = in.scale * load_vec(&qs[rb]);
-                const vec k8 = load_vec(&kv[rb]);
-                qk8 += q8 * k8;
-                store_vec(&qe[rb], q8 * inv8);
-                store_vec(&ke[rb], k8 * inv8);
-                store_vec(&ren[rb], en8);
-                ok8 &= (en8 >= lo) & (en8 <= hi);  // false for NaN too
-              }
-              bool renorm = false;
-              for (int64_t l = 0; l < L; ++l) renorm |= ok8[l] == 0;
-              const acc_t qk = hsum<acc_t>(qk8);
-              for (int64_t rb = 0; rb < Kp; rb += L) {
-                const vec k8 = tok > bos ? load_vec(&kprev[rb]) : vec{};
-                store_vec(&kp[rb], renorm ? k8 : k8 * load_vec(&ren[rb]));
-              }
-              // Column scalars: du_j from the pipelined z_j.
-              const acc_t b = in.beta[tok * HV + hv];
-              const acc_t* vw = &vws[i * V];
-              load_row(grad_o, tok, HV, hv, V, go.data());
-              acc_t* dv_row = dv + (tok * HV + hv) * V;
-              vec db8 = {}, gu8 = {};
-              for (int64_t j = 0; j < Vv; j += L) {
-                const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
-                const vec du8 = load_vec(&z[j]) + go8 * qk, u8 = b * vw8;
-                store_vec(dv_row + j, b * du8);
-                db8 += du8 * vw8;
-                gu8 += go8 * u8;
-                store_vec(&dw[j], -b * du8);
-                store_vec(&u[j], u8);
-              }
-              acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8);
-              for (int64_t j = Vv; j < V; ++j) {
-                const acc_t du = z[j] + go[j] * qk;
-                dv_row[j] = b * du;
-                db += du * vw[j];
-                dw[j] = -b * du;
-                u[j] = b * vw[j];
-                gu += go[j] * u[j];
-              }
-              dbeta[tok * HV + hv] = db;
-              const ReverseRows<acc_t> rows{qe.data(), ke.data(), kp.data(), ren.data()};
-              if (renorm) {
-                reverse_step<true>(&states[i * SV], dS.data(), Kp, V, ld, rows, go.data(),
-                                   u.data(), dw.data(), dqt.data(), dkA.data(), dkB.data(),
-                                   dgt.data(), zpart.data());
-              } else {
-                reverse_step<false>(&states[i * SV], dS.data(), Kp, V, ld, rows, go.data(),
-                                    u.data(), dw.data(), dqt.data(), dkA.data(), dkB.data(),
-                                    dgt.data(), zpart.data());
-              }
-              for (int64_t j = 0; j < V; ++j) z[j] = hsum<acc_t>(zpart[j]);
               vec gsum8 = {};
               for (int64_t rb = 0; rb < Kp; rb += L) {
-                const vec e8 = load_vec(&e[rb]), ren8 = load_vec(&ren[rb]);
+                const vec a8 = load_vec(row(kA, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
-                const vec dq8 = load_vec(&a[rb]) * load_vec(&dqt[rb]) + load_vec(&kv[rb]) * gu;
+                const vec dq8 = a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
                 store_vec(&dqt[rb], in.scale * dq8);
-                const vec dk8 = e8 * load_vec(&dkA[rb]) + load_vec(&a[rb]) * load_vec(&dkB[rb]);
-                store_vec(&dkA[rb], dk8);
-                const vec dg8 = load_vec(&dgt[rb]) * ren8;  // a e
+                store_vec(&dkt[rb], load_vec(row(kE, i) + rb) * load_vec(row(kDKA, i) + rb) +
+                                        a8 * load_vec(row(kDKB, i) + rb));
+                const vec dg8 = load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb);  // a e
                 store_vec(&dgt[rb], dg8);
                 gsum8 += dg8;
-                store_vec(&e[rb], renorm ? vec{} + acc_t(1) : ren8);
               }
               acc_t* __restrict dq_row = dq + (tok * H + h) * K;
               acc_t* __restrict dk_row = dk + (tok * H + h) * K;
               if (first_head) {
                 std::memcpy(dq_row, dqt.data(), K * sizeof(acc_t));
-                std::memcpy(dk_row, dkA.data(), K * sizeof(acc_t));
+                std::memcpy(dk_row, dkt.data(), K * sizeof(acc_t));
               } else {
                 for (int64_t r = 0; r < K; ++r) {
                   dq_row[r] += dqt[r];
-                  dk_row[r] += dkA[r];
+                  dk_row[r] += dkt[r];
                 }
               }
               if (p.gate_per_channel) {
@@ -702,6 +845,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               } else {
                 dg[tok * HV + hv] = hsum<acc_t>(gsum8);
               }
+              dbeta[tok * HV + hv] = sdb[i];
             }
           }
         }
