@@ -588,6 +588,17 @@ inline int64_t backward_block_columns(int64_t V, int64_t ld) {
   return std::min(V, std::max(L, bv));
 }
 
+// dst[0, n) = src, or += src, in vector moves (as a copy loop, GCC called memcpy per row).
+template <bool kAdd, typename acc_t>
+inline void put_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  int64_t r = 0;
+  for (; r + L <= n; r += L) {
+    store_vec(dst + r, kAdd ? load_vec(dst + r) + load_vec(src + r) : load_vec(src + r));
+  }
+  for (; r < n; ++r) dst[r] = kAdd ? dst[r] + src[r] : src[r];
+}
+
 template <typename in_t, typename acc_t>
 void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                      const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,
@@ -619,7 +630,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // sub-chunk, last first, recomputes its states (states[i] = S before its token i) block
     // by block and runs the reverse recurrence of the block over them. With Cs = C (the
     // usual case) the first walk does nothing.
-    AccVec<acc_t> subs(gdn_num_chunks(C, Cs) * SV), states((Cs + 1) * BS), dS(SV), vws(Cs * BV);
+    const int64_t nsubs = gdn_num_chunks(C, Cs);
+    AccVec<acc_t> subs(nsubs > 1 ? nsubs * SV : 0), states((Cs + 1) * BS), dS(SV), vws(Cs * BV);
     // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
     // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
     // token, and the sums over the blocks of dq, dk, dg partials (sdq..sdg), du . vw, go . u.
@@ -733,12 +745,23 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         for (int64_t c = nchunks - 1; c >= 0; --c) {
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
           const int64_t nsub = gdn_num_chunks(len, Cs);
-          gather_columns(ckpt + ((base + c) * HV + hv) * KV, K, V, ld, subs.data());
+          const acc_t* ck = ckpt + ((base + c) * HV + hv) * KV;
+          // A block's first state: from the checkpoint for the first sub-chunk, else from subs.
+          auto first_state = [&](int64_t s, int64_t v0, int64_t nv) {
+            if (s == 0) {
+              gather_block(ck, K, V, v0, nv, ld, states.data());
+            } else {
+              std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+            }
+          };
+          if (c > 0) {  // the next chunk's checkpoint (written long ago) goes to L2 meanwhile
+            prefetch_rows_l2(ck - HV * KV, KV * sizeof(acc_t));
+          }
           for (int64_t s = 0; s + 1 < nsub; ++s) {
             forward_rows(t0 + s * Cs, Cs, h, hv);
             for (int64_t v0 = 0; v0 < V; v0 += BV) {
               const int64_t nv = std::min(BV, V - v0);
-              std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+              first_state(s, v0, nv);
               recompute(t0 + s * Cs, Cs, hv, v0, nv);
               std::memcpy(&subs[(s + 1) * SV + v0 * ld], &states[Cs * BS],
                           nv * ld * sizeof(acc_t));
@@ -762,7 +785,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             for (int64_t v0 = 0; v0 < V; v0 += BV) {
               const int64_t nv = std::min(BV, V - v0), nvv = nv / L * L;
               const bool first = v0 == 0;  // assigns the sums over blocks
-              std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+              first_state(s, v0, nv);
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
               for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
@@ -832,16 +855,14 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               acc_t* __restrict dq_row = dq + (tok * H + h) * K;
               acc_t* __restrict dk_row = dk + (tok * H + h) * K;
               if (first_head) {
-                std::memcpy(dq_row, dqt.data(), K * sizeof(acc_t));
-                std::memcpy(dk_row, dkt.data(), K * sizeof(acc_t));
+                put_row<false>(dq_row, dqt.data(), K);
+                put_row<false>(dk_row, dkt.data(), K);
               } else {
-                for (int64_t r = 0; r < K; ++r) {
-                  dq_row[r] += dqt[r];
-                  dk_row[r] += dkt[r];
-                }
+                put_row<true>(dq_row, dqt.data(), K);
+                put_row<true>(dk_row, dkt.data(), K);
               }
               if (p.gate_per_channel) {
-                std::memcpy(dg + (tok * HV + hv) * K, dgt.data(), K * sizeof(acc_t));
+                put_row<false>(dg + (tok * HV + hv) * K, dgt.data(), K);
               } else {
                 dg[tok * HV + hv] = hsum<acc_t>(gsum8);
               }
