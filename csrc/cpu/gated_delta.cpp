@@ -27,9 +27,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
+
+#if defined(__unix__)
+#include <sys/mman.h>
+#endif
 
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
@@ -590,6 +595,29 @@ inline void put_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t 
   for (; r < n; ++r) dst[r] = kAdd ? dst[r] + src[r] : src[r];
 }
 
+// Per-thread scratch kept across calls (grown when too small), in 2 MiB-aligned blocks
+// advised for transparent huge pages.
+inline void* huge_scratch(size_t bytes) {
+  struct Buf {
+    void* p = nullptr;
+    size_t n = 0;
+    ~Buf() { std::free(p); }
+  };
+  thread_local Buf buf;
+  if (buf.n < bytes) {
+    std::free(buf.p);
+    constexpr size_t kHuge = size_t(2) << 20;
+    const size_t n = (bytes + kHuge - 1) / kHuge * kHuge;
+    buf.p = std::aligned_alloc(kHuge, n);
+    TORCH_CHECK(buf.p != nullptr, "rlx::gated_delta_bwd: out of memory for ", n, " bytes");
+#ifdef MADV_HUGEPAGE
+    madvise(buf.p, n, MADV_HUGEPAGE);
+#endif
+    buf.n = n;
+  }
+  return buf.p;
+}
+
 template <typename in_t, typename acc_t>
 void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                      const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,
@@ -622,13 +650,19 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // by block and runs the reverse recurrence of the block over them. With Cs = C (the
     // usual case) the first walk does nothing.
     const int64_t nsubs = gdn_num_chunks(C, Cs);
-    AccVec<acc_t> subs(nsubs * SV), states((Cs + 1) * BS), dS(SV), vws(Cs * BV);
+    AccVec<acc_t> subs(nsubs * SV), dS(SV), vws(Cs * BV);
+    // The states and rowbuf, the scratch the inner loops stream, in per-thread transparent
+    // huge pages (every element read is written first).
+    acc_t* const scratch = static_cast<acc_t*>(
+        huge_scratch(((Cs + 1) * BS + (Cs + 1) * kTokenRows * Kp) * sizeof(acc_t)));
+    acc_t* const states = scratch;
     // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
     // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
     // token, and the sums over the blocks of dq, dk, dg partials (sdq..sdg), du . vw, go . u.
     // A token's rows lie together: as separate arrays their rows of one token would fall in
     // the same L1 sets (the arrays are a multiple of 4 KiB apart).
-    AccVec<acc_t> rowbuf((Cs + 1) * kTokenRows * Kp), tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs);
+    acc_t* const rowbuf = scratch + (Cs + 1) * BS;
+    AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs);
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
     AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
@@ -741,7 +775,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           // values per row, took 9% of the backward in a profile; one gather of all columns 4%).
           gather_columns(ck, K, V, ld, subs.data());
           auto first_state = [&](int64_t s, int64_t v0, int64_t nv) {
-            std::memcpy(states.data(), &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
+            std::memcpy(states, &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
           };
           if (c > 0) {  // the next chunk's checkpoint (written long ago) goes to L2 meanwhile
             prefetch_rows_l2(ck - HV * KV, KV * sizeof(acc_t));
