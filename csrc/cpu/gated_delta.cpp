@@ -26,6 +26,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -643,7 +644,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1, C);
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
-  at::parallel_for(0, p.num_seqs * H, 1, [&](int64_t begin, int64_t end) {
+  // Threads take tasks in turn (a task's results do not depend on the thread that runs
+  // it): with a few long tasks, a static split leaves every thread waiting on one that is
+  // slowed down, e.g. by another process on its core.
+  const int64_t tasks = p.num_seqs * H;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     // Two levels of recomputation bound the scratch: a chunk is first walked forward from
     // its checkpoint keeping only the state at every sub-chunk start (subs); then each
     // sub-chunk, last first, recomputes its states (states[i] = S before its token i) block
@@ -746,7 +752,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         for (int64_t j = 0; j < nv; ++j) w[j] = hsum<acc_t>(zpart[j]);
       }
     };
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {
       const int64_t h = task % H, n = task / H;
       int64_t bos, eos;
       gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
