@@ -451,7 +451,9 @@ inline void recompute_step(const acc_t* __restrict src, acc_t* __restrict dst, i
   constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
   for (int64_t j = 0; j < V; ++j) w_part[j] = Vec256<acc_t>{};
   int64_t rb = 0;
-  for (; rb + 2 * L <= Kp; rb += 2 * L) recompute_rows<2>(src, dst, rb, V, ld, a, kv, f, u, pf, w_part);
+  for (; rb + 2 * L <= Kp; rb += 2 * L) {
+    recompute_rows<2>(src, dst, rb, V, ld, a, kv, f, u, pf, w_part);
+  }
   if (rb < Kp) recompute_rows<1>(src, dst, rb, V, ld, a, kv, f, u, pf, w_part);
 }
 
@@ -483,8 +485,10 @@ inline void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V, 
 // The column sums du_j need dS_j . k before the pass; they are pipelined: the pass for token
 // t accumulates dS_{t-1} . k_{t-1} (z) from the values it writes. e is kept in [2^-20, 2^20]
 // like the forward's c; a token that would leave it writes diag(e') dP/e and resets e = 1.
-// Rows run in blocks of one vector outside (dq, dk, dg of the block stay in registers) and
-// columns inside; the state's padding rows (up to ld) and the factors' stay zero.
+// Rows run in blocks of two vectors outside (dq, dk, dg of the rows stay in registers; the
+// sums are added to dq..dg unless first, the first column block) and columns inside; the
+// state's padding rows (up to ld) and the factors' stay zero. pf: the state the next token
+// reads, prefetched.
 template <typename acc_t>
 struct ReverseRows {
   const acc_t *qe;   // qs / e
@@ -553,8 +557,9 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
                          int64_t V, int64_t ld,
                          const ReverseRows<acc_t>& rows, const acc_t* __restrict go,
                          const acc_t* __restrict u, const acc_t* __restrict dw, bool first,
-                         const acc_t* pf, acc_t* __restrict dq, acc_t* __restrict dkA, acc_t* __restrict dkB,
-                         acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
+                         const acc_t* pf, acc_t* __restrict dq, acc_t* __restrict dkA,
+                         acc_t* __restrict dkB, acc_t* __restrict dg,
+                         Vec256<acc_t>* __restrict z) {
   constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
   for (int64_t j = 0; j < V; ++j) z[j] = Vec256<acc_t>{};
   int64_t rb = 0;
@@ -856,12 +861,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 const acc_t* pf = &states[std::max<int64_t>(i - 1, 0) * BS];  // next token's
                 if (trenorm[i]) {
                   reverse_step<true>(&states[i * BS], dSb, Kp, nv, ld, rows, go.data(),
-                                     u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i), row(kDKB, i),
-                                     row(kDG, i), zpart.data());
+                                     u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i),
+                                     row(kDKB, i), row(kDG, i), zpart.data());
                 } else {
                   reverse_step<false>(&states[i * BS], dSb, Kp, nv, ld, rows, go.data(),
-                                      u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i), row(kDKB, i),
-                                      row(kDG, i), zpart.data());
+                                      u.data(), dw.data(), first, pf, row(kDQ, i), row(kDKA, i),
+                                      row(kDKB, i), row(kDG, i), zpart.data());
                 }
                 for (int64_t j = 0; j < nv; ++j) zb[j] = hsum<acc_t>(zpart[j]);
               }
@@ -873,7 +878,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
-                const vec dq8 = a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
+                const vec dq8 =
+                    a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
                 store_vec(&dqt[rb], in.scale * dq8);
                 store_vec(&dkt[rb], load_vec(row(kE, i) + rb) * load_vec(row(kDKA, i) + rb) +
                                         a8 * load_vec(row(kDKB, i) + rb));
