@@ -111,14 +111,13 @@ void ns_input_kernel(const at::TensorList& grads, const at::TensorList& bufs,
   const float w = 1.0f - momentum;
   auto matrix = [&](const float* g, float* b, out_t* x) {
     const int64_t n = index.size;
+    // w = 1 - mu with mu in [0, 1): at most one of w and mu is below 0.5 (neither at 0.5).
     const bool small_w = std::abs(w) < 0.5f, small_m = std::abs(momentum) < 0.5f;
-    if (!nesterov) {
+    if (!nesterov) {  // mu's lerp is not used
       small_w ? ns_input_matrix<true, true, false>(g, b, n, w, momentum, eps, safety, x)
               : ns_input_matrix<false, true, false>(g, b, n, w, momentum, eps, safety, x);
-    } else if (small_w && !small_m) {  // the usual momentum, 0.5 < mu < 1
+    } else if (small_w) {  // the usual momentum, 0.5 < mu < 1
       ns_input_matrix<true, false, true>(g, b, n, w, momentum, eps, safety, x);
-    } else if (small_w) {
-      ns_input_matrix<true, true, true>(g, b, n, w, momentum, eps, safety, x);
     } else if (small_m) {
       ns_input_matrix<false, true, true>(g, b, n, w, momentum, eps, safety, x);
     } else {
