@@ -145,6 +145,7 @@ inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
 // hardware prefetchers do not follow that stride, and each token then waits on a few cache
 // misses (~1/3 of the K = V = 128 forward's time). Prefetching a few tokens ahead hides them.
 constexpr int64_t kPrefetchTokens = 4;
+constexpr int64_t kRowPrefetchTokens = 16;  // for loops that do O(K) work per token
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
@@ -716,6 +717,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     auto forward_rows = [&](int64_t t0, int64_t len, int64_t h, int64_t hv) {
       for (int64_t i = 0; i < len; ++i) {
         const int64_t tok = t0 + i;
+        if (i + kRowPrefetchTokens < len) {  // little work per row: fetch further ahead
+          prefetch_bytes(in.k + ((tok + kRowPrefetchTokens) * H + h) * K, K * sizeof(in_t));
+        }
         acc_t *a = row(kA, i), *kr = row(kK, i), *ak = row(kAK, i);
         load_decay(p, in.g, tok, hv, a);
         load_row(in.k, tok, H, h, K, kr);
@@ -928,6 +932,13 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             // The sub-chunk's gradients from the sums over its blocks.
             for (int64_t i = 0; i < slen; ++i) {
               const int64_t tok = s0 + i;
+              if (i + kRowPrefetchTokens < slen) {  // rows written (read when adding) below
+                const int64_t tp = tok + kRowPrefetchTokens;
+                __builtin_prefetch(dq + (tp * H + h) * K, 1);
+                __builtin_prefetch(dk + (tp * H + h) * K, 1);
+                prefetch_bytes(dq + (tp * H + h) * K, K * sizeof(acc_t));
+                prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
+              }
               for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
