@@ -585,8 +585,9 @@ inline acc_t hsum(const Vec256<acc_t>& x) {
 
 // out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
 // transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
-// instructions per column for hsum (the backward reduces 2 V columns per token; this cut
-// its single-thread time by 5-8% in an A/B run). Fixed order, so still reproducible.
+// instructions per column for hsum (the backward reduces 2 V columns per token; in-process
+// A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
+// Fixed order, so still reproducible.
 template <typename acc_t>
 inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
   int64_t j = 0;
