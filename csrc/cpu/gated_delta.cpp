@@ -935,8 +935,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               const int64_t tok = s0 + i;
               if (i + kRowPrefetchTokens < slen) {  // rows written (read when adding) below
                 const int64_t tp = tok + kRowPrefetchTokens;
-                __builtin_prefetch(dq + (tp * H + h) * K, 1);
-                __builtin_prefetch(dk + (tp * H + h) * K, 1);
                 prefetch_bytes(dq + (tp * H + h) * K, K * sizeof(acc_t));
                 prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
               }
