@@ -50,7 +50,6 @@ bool cpu_has_avx512_bf16() {
                          __builtin_cpu_supports("avx512f") &&
                          __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") &&
-                         __builtin_cpu_supports("avx512vl") &&
                          __builtin_cpu_supports("avx512bf16");
   return ok;
 #else
