@@ -57,21 +57,26 @@ def theirs_fn(hf):
     return run
 
 
-def timed(fn, args, backward, repeats):
-    """Median wall time (ms) of fn(*args) (and its backward), after one warm-up call."""
-    def once():
+def timed(fns, args, backward, repeats):
+    """Median wall time (ms) of each fn(*args) (and its backward), after one warm-up call
+    each. The calls alternate (each side first on every other repeat) so that both sides
+    see the same machine: the 2-core VM's speed drifts by 20-30% within seconds, and timing
+    one side's repeats after the other's turned that drift into the ratio."""
+    def once(fn):
         out = fn(*args)
         if backward:
             out.backward(torch.ones_like(out))
-        return out
 
-    once()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        once()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    for fn in fns:
+        once(fn)
+    times = [[] for _ in fns]
+    for r in range(repeats):
+        order = list(range(len(fns)))
+        for i in (order if r % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            once(fns[i])
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def main():
@@ -98,8 +103,8 @@ def main():
             if hf is not None:  # same math: check before timing
                 diff = (ours(*inputs) - theirs_fn(hf)(*inputs)).abs().max().item()
                 assert diff < 1e-3, f"outputs differ by {diff}"
-            t_ours = timed(ours, inputs, backward, repeats)
-            t_hf = timed(theirs_fn(hf), inputs, backward, repeats) if hf else None
+            fns = [ours] + ([theirs_fn(hf)] if hf else [])
+            t_ours, t_hf = (timed(fns, inputs, backward, repeats) + [None])[:2]
         flops = 7 * K * V * B * T * H * (3 if backward else 1)
         row = dict(mode=mode, B=B, T=T, H=H, K=K, V=V, rlx_ms=round(t_ours, 2),
                    hf_ms=round(t_hf, 2) if t_hf else None,

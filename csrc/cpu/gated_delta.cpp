@@ -183,8 +183,11 @@ inline void fused_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                              acc_t* __restrict o, acc_t* __restrict w) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  vec uu[NV], out[NV] = {}, wn[NV] = {};
-  for (int64_t n = 0; n < NV; ++n) uu[n] = load_vec(u + n * L);
+  vec uu[NV], out[NV], wn[NV];
+  for (int64_t n = 0; n < NV; ++n) {
+    uu[n] = load_vec(u + n * L);
+    out[n] = wn[n] = vec{};
+  }
   for (int64_t r = 0; r < K; ++r) {
     acc_t* s = S + r * ld;
     const acc_t kr = cf.kk[r], qr = cf.qq[r], fr = cf.ff[r];
@@ -196,8 +199,12 @@ inline void fused_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
       wn[n] += fr * x;
     }
   }
-  std::memcpy(o, out, sizeof(out));
-  std::memcpy(w, wn, sizeof(wn));
+  // Stored vector by vector: a memcpy of the arrays made GCC keep them in memory, zeroed by
+  // two `rep stos` per call (4% of the forward in a profile).
+  for (int64_t n = 0; n < NV; ++n) {
+    store_vec(o + n * L, out[n]);
+    store_vec(w + n * L, wn[n]);
+  }
 }
 
 // Tail columns (fewer than one vector), one at a time, with the same arithmetic per column.
@@ -271,6 +278,15 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     // Per token of a chunk: TokenCoeffs' rows, and c before the token (checkpoints).
     AccVec<acc_t> alpha(TC * K), kk(TC * K), qq(TC * K), ff(TC * K), cb(TC * K);
     bool renorm[TC];
+    // raw_rows (one gate per head, float32/64 inputs): the q and k rows of the inputs serve
+    // as TokenCoeffs' kk, qq and ff as they are, and their scalar factors go to the V-long
+    // vectors instead: u by tus = 1/c', o by tqs = scale c', w by tfs = a c'. talpha (a c)
+    // and tcb (c before the token) are the scalars of alpha and cb. This skips writing
+    // four K-long rows per token, whose q/k loads were also the forward's main cache misses
+    // (in-process A/B of the forward, 1 thread, B=1 T=2048 H=4 K=V=64: min 2.89 -> 2.69 ms
+    // on top of fused_rows_block's vector stores, 3.13 -> 2.81 ms with them).
+    const bool raw_rows = std::is_same_v<in_t, acc_t> && !p.gate_per_channel;
+    acc_t tus[TC], tqs[TC], tfs[TC], talpha[TC], tcb[TC];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t grp = task % groups, hv = (task / groups) % HV, n = task / (groups * HV);
       const int64_t h = hv / p.group(), vb0 = grp * bpg, vb1 = std::min(nvb, vb0 + bpg);
@@ -327,10 +343,21 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         // previous token's next_factors).
         for (int64_t i = 0; i < len; ++i) {
           const int64_t tok = t0 + i;
-          if (tok + kPrefetchTokens < eos) {
+          if (!raw_rows && tok + kPrefetchTokens < eos) {
             const int64_t tp = tok + kPrefetchTokens;
             prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
             prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
+          }
+          if (raw_rows) {
+            tcb[i] = c0;
+            talpha[i] = a0 * c0;
+            renorm[i] = !(talpha[i] >= lo && talpha[i] <= hi);
+            c0 = renorm[i] ? acc_t(1) : talpha[i];
+            tus[i] = acc_t(1) / c0;
+            tqs[i] = in.scale * c0;
+            a0 = tok + 1 < eos ? std::exp(in.g[(tok + 1) * HV + hv]) : acc_t(0);
+            tfs[i] = a0 * c0;
+            continue;
           }
           const in_t* kt = in.k + (tok * H + h) * K;
           const in_t* qt = in.q + (tok * H + h) * K;
@@ -374,6 +401,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
           for (int64_t i = 0; i < len; ++i) {
             const int64_t tok = t0 + i;
             if (C > 0 && (tok - bos) % C == 0) {
+              if (raw_rows) std::fill(&cb[i * K], &cb[i * K] + K, tcb[i]);
               store_state(Sb, &cb[i * K], v0, nv,
                           ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
             }
@@ -382,8 +410,24 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
               prefetch_bytes(in.v + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
               prefetch_bytes(out + (tp * HV + hv) * V + v0, nv * sizeof(in_t));
             }
-            const TokenCoeffs<acc_t> cf{&alpha[i * K], &kk[i * K], &qq[i * K], &ff[i * K]};
-            const acc_t b = in.beta[tok * HV + hv];
+            TokenCoeffs<acc_t> cf{&alpha[i * K], &kk[i * K], &qq[i * K], &ff[i * K]};
+            acc_t b = in.beta[tok * HV + hv], os = 1, ws = 1;
+            if (raw_rows) {
+              if constexpr (std::is_same_v<in_t, acc_t>) {
+                const acc_t* krow = in.k + (tok * H + h) * K;
+                cf.kk = krow;
+                cf.qq = in.q + (tok * H + h) * K;
+                cf.ff = tok + 1 < eos ? krow + H * K : krow;  // tfs = 0 after the last token
+                if (tok + kPrefetchTokens < eos) {
+                  prefetch_bytes(krow + kPrefetchTokens * H * K, K * sizeof(in_t));
+                  prefetch_bytes(cf.qq + kPrefetchTokens * H * K, K * sizeof(in_t));
+                }
+              }
+              if (renorm[i]) std::fill(&alpha[i * K], &alpha[i * K] + K, talpha[i]);
+              b *= tus[i];
+              os = tqs[i];
+              ws = tfs[i];
+            }
             const in_t* vt = in.v + (tok * HV + hv) * V + v0;
             for (int64_t j = 0; j < nv; ++j) u[j] = b * (static_cast<acc_t>(vt[j]) - w[j]);
             if (renorm[i]) {
@@ -392,7 +436,14 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
               fused_rows<false>(Sb, K, nv, cf, u.data(), o.data(), w);
             }
             in_t* odst = out + (tok * HV + hv) * V + v0;
-            for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
+            if (raw_rows) {
+              for (int64_t j = 0; j < nv; ++j) {
+                odst[j] = static_cast<in_t>(os * o[j]);
+                w[j] *= ws;
+              }
+            } else {
+              for (int64_t j = 0; j < nv; ++j) odst[j] = static_cast<in_t>(o[j]);
+            }
           }
         }
       }
@@ -773,10 +824,14 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         }
       }
     };
-    // Recomputes tokens [t0, t0 + len) on columns [v0, v0 + nv) from states[0], filling
+    // The block's state before token i of the sub-chunk: the first one is read where it
+    // lies (in subs, same column-major layout), the others are recomputed into states.
+    const acc_t* state0 = nullptr;
+    auto state = [&](int64_t i) { return i == 0 ? state0 : &states[i * BS]; };
+    // Recomputes tokens [t0, t0 + len) on columns [v0, v0 + nv) from state(0), filling
     // states[1..len] and vws.
     auto recompute = [&](int64_t t0, int64_t len, int64_t hv, int64_t v0, int64_t nv) {
-      project_columns(&states[0], Kp, nv, ld, row(kAK, 0), zpart.data());
+      project_columns(state(0), Kp, nv, ld, row(kAK, 0), zpart.data());
       hsum_columns(zpart.data(), nv, w.data());
       for (int64_t i = 0; i < len; ++i) {
         const int64_t tok = t0 + i;
@@ -789,9 +844,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           vw[j] = static_cast<acc_t>(vt[j]) - w[j];
           u[j] = tb[i] * vw[j];
         }
-        recompute_step(&states[i * BS], &states[(i + 1) * BS], Kp, nv, ld, row(kA, i),
-                       row(kK, i), row(kAK, i + 1), u.data(),
-                       &states[std::min(i + 2, len) * BS], zpart.data());
+        recompute_step(state(i), &states[(i + 1) * BS], Kp, nv, ld, row(kA, i), row(kK, i),
+                       row(kAK, i + 1), u.data(), &states[std::min(i + 2, len) * BS],
+                       zpart.data());
         hsum_columns(zpart.data(), nv, w.data());
       }
     };
@@ -821,11 +876,10 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           const int64_t nsub = gdn_num_chunks(len, Cs);
           const acc_t* ck = ckpt + ((base + c) * HV + hv) * KV;
           // A block's first state, from subs (gathering each block from the checkpoint, 16
-          // values per row, took 9% of the backward in a profile; one gather of all columns 4%).
+          // values per row, took 9% of the backward in a profile; one gather of all columns 4%;
+          // copying each block's into states 4.5%).
           gather_columns(ck, K, V, ld, subs.data());
-          auto first_state = [&](int64_t s, int64_t v0, int64_t nv) {
-            std::memcpy(states, &subs[s * SV + v0 * ld], nv * ld * sizeof(acc_t));
-          };
+          auto first_state = [&](int64_t s, int64_t v0) { state0 = &subs[s * SV + v0 * ld]; };
           if (c > 0) {  // the next chunk's checkpoint (written long ago) goes to L2 meanwhile
             prefetch_rows_l2(ck - HV * KV, KV * sizeof(acc_t));
           }
@@ -833,7 +887,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             forward_rows(t0 + s * Cs, Cs, h, hv);
             for (int64_t v0 = 0; v0 < V; v0 += BV) {
               const int64_t nv = std::min(BV, V - v0);
-              first_state(s, v0, nv);
+              first_state(s, v0);
               recompute(t0 + s * Cs, Cs, hv, v0, nv);
               std::memcpy(&subs[(s + 1) * SV + v0 * ld], &states[Cs * BS],
                           nv * ld * sizeof(acc_t));
@@ -857,7 +911,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
             for (int64_t v0 = 0; v0 < V; v0 += BV) {
               const int64_t nv = std::min(BV, V - v0), nvv = nv / L * L;
               const bool first = v0 == 0;  // assigns the sums over blocks
-              first_state(s, v0, nv);
+              first_state(s, v0);
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
               if (!p.gate_per_channel) {  // phi = <dS, S> after the sub-chunk, dS = diag(e) D
@@ -913,10 +967,10 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 sdv[i] = first ? dvv : sdv[i] + dvv;
                 const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
                                               row(kRen, i)};
-                const acc_t* pf = &states[std::max<int64_t>(i - 1, 0) * BS];  // next token's
+                const acc_t* pf = state(std::max<int64_t>(i - 1, 0));  // next token's
                 auto step = [&](auto renorm, auto channel_gate) {
                   constexpr bool r = decltype(renorm)::value, c = decltype(channel_gate)::value;
-                  reverse_step<r, c>(&states[i * BS], dSb, Kp, nv, ld, rows, go.data(),
+                  reverse_step<r, c>(state(i), dSb, Kp, nv, ld, rows, go.data(),
                                      u.data(), dw.data(), first, pf, row(kDQ, i),
                                      row(kDKA, i), row(kDKB, i), row(kDG, i), zpart.data());
                 };
