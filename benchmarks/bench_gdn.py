@@ -58,24 +58,35 @@ def theirs_fn(hf):
 
 
 def timed(fns, args, backward, repeats):
-    """Median wall time (ms) of each fn(*args) (and its backward), after one warm-up call
-    each. The calls alternate (each side first on every other repeat) so that both sides
-    see the same machine: the 2-core VM's speed drifts by 20-30% within seconds, and timing
-    one side's repeats after the other's turned that drift into the ratio."""
+    """Median wall time (ms) of each fn(*args) (and its backward). The sides take turns,
+    each first on every other repeat, so that both see the same machine: the 2-core VM's
+    speed drifts by 20-30% within seconds, and timing one side's repeats after the other's
+    turned that drift into the ratio. Each timed call follows an untimed call of the same
+    function, so neither side is timed on caches the other has just filled with its own
+    data. As in a training loop, the output gradient is given and the inputs' .grad are
+    reset to None between calls (zero_grad(set_to_none=True)), so that neither the timing
+    nor the gradients include an accumulation into .grad from earlier calls."""
+    grad_out = torch.ones_like(fns[0](*args)) if backward else None
+
     def once(fn):
         out = fn(*args)
         if backward:
-            out.backward(torch.ones_like(out))
+            out.backward(grad_out)
 
-    for fn in fns:
-        once(fn)
+    def zero_grad():
+        for t in args:
+            t.grad = None
+
     times = [[] for _ in fns]
     for r in range(repeats):
         order = list(range(len(fns)))
         for i in (order if r % 2 == 0 else order[::-1]):
+            once(fns[i])
+            zero_grad()
             t0 = time.perf_counter()
             once(fns[i])
             times[i].append((time.perf_counter() - t0) * 1e3)
+            zero_grad()
     return [statistics.median(t) for t in times]
 
 
