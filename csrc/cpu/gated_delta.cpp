@@ -168,6 +168,8 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
 // which is the plain recurrence. Software pipelining: while a row of S_t is written, the
 // next token's w = P_{t+1}^T k_{t+1} = St^T (a_{t+1} c' k_{t+1}) accumulates from it, so
 // each token streams the state block once.
+// With one gate per head the factors are scalars times the q/k rows: the rows are then
+// used as they are and the scalars applied to u, o and w instead (raw_rows below).
 template <typename acc_t>
 struct TokenCoeffs {
   const acc_t *alpha;  // a c, the renormalizing step's row factors
