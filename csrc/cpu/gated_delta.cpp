@@ -282,13 +282,13 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     bool renorm[TC];
     // raw_rows (one gate per head, float32/64 inputs): the q and k rows of the inputs serve
     // as TokenCoeffs' kk, qq and ff as they are, and their scalar factors go to the V-long
-    // vectors instead: u by tus = 1/c', o by tqs = scale c', w by tfs = a c'. talpha (a c)
-    // and tcb (c before the token) are the scalars of alpha and cb. This skips writing
-    // four K-long rows per token, whose q/k loads were also the forward's main cache misses
+    // vectors instead: u by tus = 1/c', o by tqs = scale c', w by tfs = a c'. Only the rare
+    // rows of alpha (renormalizing tokens) and cb (checkpoint tokens) are written. This skips
+    // writing four K-long rows per token, whose q/k loads were also the forward's main misses
     // (in-process A/B of the forward, 1 thread, B=1 T=2048 H=4 K=V=64: min 2.89 -> 2.69 ms
     // on top of fused_rows_block's vector stores, 3.13 -> 2.81 ms with them).
     const bool raw_rows = std::is_same_v<in_t, acc_t> && !p.gate_per_channel;
-    acc_t tus[TC], tqs[TC], tfs[TC], talpha[TC], tcb[TC];
+    acc_t tus[TC], tqs[TC], tfs[TC];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t grp = task % groups, hv = (task / groups) % HV, n = task / (groups * HV);
       const int64_t h = hv / p.group(), vb0 = grp * bpg, vb1 = std::min(nvb, vb0 + bpg);
@@ -350,11 +350,13 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
             prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
             prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
           }
+          acc_t *al = &alpha[i * K], *kki = &kk[i * K], *qqi = &qq[i * K], *cbi = &cb[i * K];
           if (raw_rows) {
-            tcb[i] = c0;
-            talpha[i] = a0 * c0;
-            renorm[i] = !(talpha[i] >= lo && talpha[i] <= hi);
-            c0 = renorm[i] ? acc_t(1) : talpha[i];
+            if (C > 0 && (tok - bos) % C == 0) std::fill(cbi, cbi + K, c0);
+            const acc_t cn = a0 * c0;
+            renorm[i] = !(cn >= lo && cn <= hi);
+            if (renorm[i]) std::fill(al, al + K, cn);
+            c0 = renorm[i] ? acc_t(1) : cn;
             tus[i] = acc_t(1) / c0;
             tqs[i] = in.scale * c0;
             a0 = tok + 1 < eos ? std::exp(in.g[(tok + 1) * HV + hv]) : acc_t(0);
@@ -363,7 +365,6 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
           }
           const in_t* kt = in.k + (tok * H + h) * K;
           const in_t* qt = in.q + (tok * H + h) * K;
-          acc_t *al = &alpha[i * K], *kki = &kk[i * K], *qqi = &qq[i * K], *cbi = &cb[i * K];
           if (p.gate_per_channel) {
             std::copy(c.begin(), c.end(), cbi);
             int bad = 0;
@@ -403,7 +404,6 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
           for (int64_t i = 0; i < len; ++i) {
             const int64_t tok = t0 + i;
             if (C > 0 && (tok - bos) % C == 0) {
-              if (raw_rows) std::fill(&cb[i * K], &cb[i * K] + K, tcb[i]);
               store_state(Sb, &cb[i * K], v0, nv,
                           ckpt + ((base + (tok - bos) / C) * HV + hv) * K * V);
             }
@@ -425,7 +425,6 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
                   prefetch_bytes(cf.qq + kPrefetchTokens * H * K, K * sizeof(in_t));
                 }
               }
-              if (renorm[i]) std::fill(&alpha[i * K], &alpha[i * K] + K, talpha[i]);
               b *= tus[i];
               os = tqs[i];
               ws = tfs[i];
