@@ -319,6 +319,27 @@ def test_inference_keeps_no_checkpoints():
         torch.ops.rlx.gated_delta_bwd(*args, ckpt, o, None, 0)
 
 
+def test_l2norm_paths_agree():
+    # With gradients, q/k are normalized inside the autograd Function; without, by the ops
+    # directly (a decode step's path). Same ops, so the outputs must be bitwise equal.
+    inputs = make_inputs(B=2, T=33, state=True, normalize_k=False)
+    args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=inputs["initial_state"], output_final_state=True,
+              use_qk_l2norm=True)
+    with torch.no_grad():
+        o, ht = rlx_torch.gated_delta_rule(*args, **kw)
+    leaves = [t.clone().requires_grad_() for t in args]
+    o_g, ht_g = rlx_torch.gated_delta_rule(*leaves, **kw)
+    assert o_g.grad_fn is not None
+    assert torch.equal(o, o_g.detach()) and torch.equal(ht, ht_g.detach())
+    # Only v needs a gradient: q and k still get normalized, and no gradient reaches them.
+    v = args[2].clone().requires_grad_()
+    o_v, _ = rlx_torch.gated_delta_rule(args[0], args[1], v, *args[3:], **kw)
+    assert torch.equal(o_v.detach(), o)
+    (dv,) = torch.autograd.grad(o_v.sum(), [v])
+    assert torch.isfinite(dv).all() and args[0].grad is None
+
+
 def test_deterministic_bitwise():
     inputs = make_inputs(B=2, T=100, H=2, HV=4, K=16, V=16, state=True, per_channel=True)
     torch.manual_seed(1)
