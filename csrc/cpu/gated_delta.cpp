@@ -39,6 +39,7 @@
 
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
+#include "huge_pages.h"
 
 namespace rlx {
 namespace {
@@ -1141,6 +1142,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   at::Tensor ckpt =
       at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
                 q.options().dtype(p.acc_dtype));
+  advise_huge_pages(o);
+  advise_huge_pages(ckpt);
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
@@ -1194,6 +1197,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
       p.has_initial_state);
   // Every slice is fully written (the first value head of a group assigns dq/dk).
   at::Tensor buf = at::empty({lay.total}, q.options().dtype(p.acc_dtype));
+  advise_huge_pages(buf);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_bwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <type_traits>
 
+#include "huge_pages.h"
+
 namespace rlx {
 namespace {
 
@@ -49,6 +51,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double
   const at::Tensor x = x_in.contiguous();
   const int64_t D = x.size(-1), rows = x.numel() / D;
   at::Tensor y = at::empty_like(x);
+  advise_huge_pages(y);
   at::Tensor rstd =
       at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc_of(x.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_fwd", [&] {
@@ -89,6 +92,7 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
   const at::Tensor rstd = rstd_in.contiguous();
   const int64_t D = x.size(-1), rows = x.numel() / D;
   at::Tensor dx = at::empty_like(x);
+  advise_huge_pages(dx);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_bwd", [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
