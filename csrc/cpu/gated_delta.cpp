@@ -1035,7 +1035,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               }
               vec qdq8 = {};
               for (int64_t rb = 0; rb < Kp; rb += L) {
-                const vec a8 = load_vec(row(kA, i) + rb);
+                const vec a8 = load_vec(row(kA, i) + rb), e8 = load_vec(row(kE, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
                 const vec dq8 =
                     a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
@@ -1043,10 +1043,10 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 // q . dq of this value head (one gate per head; for the recursion below),
                 // as qe e . dq8 with qe e = scale q: a strided re-read of q missed cache.
                 if (!p.gate_per_channel) {
-                  qdq8 += load_vec(row(kQE, i) + rb) * load_vec(row(kE, i) + rb) * dq8;
+                  qdq8 += load_vec(row(kQE, i) + rb) * e8 * dq8;
                 }
-                store_vec(&dkt[rb], load_vec(row(kE, i) + rb) * load_vec(row(kDKA, i) + rb) +
-                                        a8 * load_vec(row(kDKB, i) + rb));
+                store_vec(&dkt[rb],
+                          e8 * load_vec(row(kDKA, i) + rb) + a8 * load_vec(row(kDKB, i) + rb));
                 if (p.gate_per_channel) {  // a e
                   store_vec(&dgt[rb], load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb));
                 }
