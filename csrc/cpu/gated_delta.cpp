@@ -40,6 +40,7 @@
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 #include "huge_pages.h"
+#include "l2norm_row.h"
 
 namespace rlx {
 namespace {
@@ -63,6 +64,8 @@ struct Views {
   const acc_t *g, *beta;
   const int64_t* cu;  // nullptr when not varlen
   acc_t scale;
+  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
+  acc_t l2norm_eps;
 };
 
 // Loads row (tok, head) of a [tokens, heads, dim] input as acc_t.
@@ -178,6 +181,79 @@ inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, in
   }
 }
 
+template <typename acc_t>
+inline acc_t hsum(const Vec256<acc_t>& x) {
+  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
+  acc_t s = 0;
+  for (int64_t l = 0; l < L; ++l) s += x[l];
+  return s;
+}
+
+// out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
+// transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
+// instructions per column for hsum (the backward reduces 2 V columns per token; in-process
+// A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
+// Fixed order, so still reproducible.
+template <typename acc_t>
+inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
+  int64_t j = 0;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using vec = Vec256<float>;
+    auto pair = [](const vec& a, const vec& b) {
+      return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    };
+    auto quad = [](const vec& a, const vec& b) {
+      return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    };
+    for (; j + 8 <= n; j += 8) {
+      const vec t0 = quad(pair(x[j], x[j + 1]), pair(x[j + 2], x[j + 3]));
+      const vec t1 = quad(pair(x[j + 4], x[j + 5]), pair(x[j + 6], x[j + 7]));
+      store_vec(out + j, __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                             __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+  }
+#endif
+  for (; j < n; ++j) out[j] = hsum<acc_t>(x[j]);
+}
+
+// out[i] = l2norm_rstd of the K-long row x + i * stride, i < n (n <= 64). Float rows of whole
+// vectors are summed as vectors and reduced eight rows at a time by hsum_columns: a row at a
+// time, the reduction and the square root are one dependent chain per row (~90 cycles; it
+// made the fused l2norm slower than the separate op's pass over q and k).
+template <typename in_t, typename acc_t>
+inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K, acc_t eps,
+                             acc_t* out) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  if constexpr (std::is_same_v<in_t, acc_t>) {
+    if (K % L == 0 && n <= 64) {
+      vec part[64];
+      for (int64_t i = 0; i < n; ++i) {
+        const acc_t* r = x + i * stride;
+        vec s0 = {}, s1 = {};
+        int64_t d = 0;
+        for (; d + 2 * L <= K; d += 2 * L) {
+          const vec a = load_vec(r + d), b = load_vec(r + d + L);
+          s0 += a * a;
+          s1 += b * b;
+        }
+        if (d < K) {
+          const vec a = load_vec(r + d);
+          s0 += a * a;
+        }
+        part[i] = s0 + s1;
+      }
+      hsum_columns(part, n, out);
+      for (int64_t i = 0; i < n; ++i) out[i] = acc_t(1) / std::sqrt(out[i] + eps);
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = l2norm_rstd<acc_t>(x + i * stride, K, eps);
+}
+
 // Rows of consecutive tokens lie H*K (HV*V) elements apart, often a page or more: the
 // hardware prefetchers do not follow that stride, and each token then waits on a few cache
 // misses (~1/3 of the K = V = 128 forward's time). Prefetching a few tokens ahead hides them.
@@ -288,6 +364,18 @@ inline void project_rows(const acc_t* S, int64_t K, int64_t nv, const acc_t* f, 
 template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
+  // With in.l2norm, q and k rows are normalized on the fly: their factors r (one per row, see
+  // l2norm_row.h) join the per-token factors below.
+  auto rq = [&](int64_t tok, int64_t h) {
+    return in.l2norm ? l2norm_rstd<acc_t>(in.q + (tok * p.num_qk_heads + h) * p.head_k_dim,
+                                          p.head_k_dim, in.l2norm_eps)
+                     : acc_t(1);
+  };
+  auto rk = [&](int64_t tok, int64_t h) {
+    return in.l2norm ? l2norm_rstd<acc_t>(in.k + (tok * p.num_qk_heads + h) * p.head_k_dim,
+                                          p.head_k_dim, in.l2norm_eps)
+                     : acc_t(1);
+  };
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk, heads = p.num_seqs * HV;
   const int64_t threads = at::get_num_threads();
@@ -326,6 +414,8 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     // on top of fused_rows_block's vector stores, 3.13 -> 2.81 ms with them).
     const bool raw_rows = std::is_same_v<in_t, acc_t> && !p.gate_per_channel;
     acc_t tus[TC], tqs[TC], tfs[TC];
+    // The chunk's l2norm factors (rks[i] of token t0 + i, one more for the next token).
+    acc_t rqs[TC], rks[TC + 1];
     for (int64_t task = begin; task < end; ++task) {
       const int64_t grp = task % groups, hv = (task / groups) % HV, n = task / (groups * HV);
       const int64_t h = hv / p.group(), vb0 = grp * bpg, vb1 = std::min(nvb, vb0 + bpg);
@@ -359,12 +449,13 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
       // ff = a_tok c k_tok, the factors of w_tok = P^T k_tok (a: the next token's decays).
       auto next_factors = [&](int64_t tok, acc_t* f) {
         const in_t* kt = in.k + (tok * H + h) * K;
+        const acc_t r = rk(tok, h);
         if (p.gate_per_channel) {
           load_decay(p, in.g, tok, hv, a.data());
-          for (int64_t r = 0; r < K; ++r) f[r] = a[r] * c[r] * static_cast<acc_t>(kt[r]);
+          for (int64_t j = 0; j < K; ++j) f[j] = a[j] * c[j] * r * static_cast<acc_t>(kt[j]);
         } else {
           a0 = std::exp(in.g[tok * HV + hv]);
-          const acc_t fs = a0 * c0;
+          const acc_t fs = a0 * c0 * r;
           for (int64_t r = 0; r < K; ++r) f[r] = fs * static_cast<acc_t>(kt[r]);
         }
       };
@@ -378,6 +469,11 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
       }
       for (int64_t t0 = bos; t0 < eos; t0 += TC) {
         const int64_t len = std::min(TC, eos - t0);
+        if (in.l2norm) {
+          l2norm_rstd_rows(in.q + (t0 * H + h) * K, H * K, len, K, in.l2norm_eps, rqs);
+          l2norm_rstd_rows(in.k + (t0 * H + h) * K, H * K, std::min(len + 1, eos - t0), K,
+                           in.l2norm_eps, rks);
+        }
         // Row factors of the chunk's tokens (the decays of tok, a and a0, come from the
         // previous token's next_factors).
         for (int64_t i = 0; i < len; ++i) {
@@ -394,14 +490,16 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
             renorm[i] = !(cn >= lo && cn <= hi);
             if (renorm[i]) std::fill(al, al + K, cn);
             c0 = renorm[i] ? acc_t(1) : cn;
-            tus[i] = acc_t(1) / c0;
-            tqs[i] = in.scale * c0;
+            const bool l2 = in.l2norm;
+            tus[i] = (l2 ? rks[i] : acc_t(1)) / c0;
+            tqs[i] = in.scale * c0 * (l2 ? rqs[i] : acc_t(1));
             a0 = tok + 1 < eos ? std::exp(in.g[(tok + 1) * HV + hv]) : acc_t(0);
-            tfs[i] = a0 * c0;
+            tfs[i] = tok + 1 < eos ? a0 * c0 * (l2 ? rks[i + 1] : acc_t(1)) : acc_t(0);
             continue;
           }
           const in_t* kt = in.k + (tok * H + h) * K;
           const in_t* qt = in.q + (tok * H + h) * K;
+          const acc_t rkt = in.l2norm ? rks[i] : acc_t(1), rqt = in.l2norm ? rqs[i] : acc_t(1);
           if (p.gate_per_channel) {
             std::copy(c.begin(), c.end(), cbi);
             int bad = 0;
@@ -411,10 +509,10 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
             }
             renorm[i] = bad != 0;
             for (int64_t r = 0; r < K; ++r) {
-              const acc_t kr = static_cast<acc_t>(kt[r]);
+              const acc_t kr = rkt * static_cast<acc_t>(kt[r]);
               c[r] = renorm[i] ? acc_t(1) : al[r];
               kki[r] = renorm[i] ? kr : kr / c[r];
-              qqi[r] = in.scale * c[r] * static_cast<acc_t>(qt[r]);
+              qqi[r] = in.scale * c[r] * rqt * static_cast<acc_t>(qt[r]);
             }
           } else {
             std::fill(cbi, cbi + K, c0);
@@ -422,7 +520,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
             renorm[i] = !(cn >= lo && cn <= hi);
             if (renorm[i]) std::fill(al, al + K, cn);
             c0 = renorm[i] ? acc_t(1) : cn;
-            const acc_t inv = acc_t(1) / c0, qs = in.scale * c0;
+            const acc_t inv = rkt / c0, qs = in.scale * c0 * rqt;
             for (int64_t r = 0; r < K; ++r) {
               kki[r] = inv * static_cast<acc_t>(kt[r]);
               qqi[r] = qs * static_cast<acc_t>(qt[r]);
@@ -664,44 +762,6 @@ inline void reverse_step(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
   }
 }
 
-template <typename acc_t>
-inline acc_t hsum(const Vec256<acc_t>& x) {
-  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
-  acc_t s = 0;
-  for (int64_t l = 0; l < L; ++l) s += x[l];
-  return s;
-}
-
-// out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
-// transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
-// instructions per column for hsum (the backward reduces 2 V columns per token; in-process
-// A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
-// Fixed order, so still reproducible.
-template <typename acc_t>
-inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
-  int64_t j = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = Vec256<float>;
-    auto pair = [](const vec& a, const vec& b) {
-      return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
-             __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
-    };
-    auto quad = [](const vec& a, const vec& b) {
-      return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
-             __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
-    };
-    for (; j + 8 <= n; j += 8) {
-      const vec t0 = quad(pair(x[j], x[j + 1]), pair(x[j + 2], x[j + 3]));
-      const vec t1 = quad(pair(x[j + 4], x[j + 5]), pair(x[j + 6], x[j + 7]));
-      store_vec(out + j, __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
-                             __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15));
-    }
-  }
-#endif
-  for (; j < n; ++j) out[j] = hsum<acc_t>(x[j]);
-}
-
 // Columns of a backward block: a chunk's recomputed states of one block (C + 1 of them, 300
 // KiB for K = 64) then stay in L2 next to the per-token rows, and a state next to the block's
 // dS in L1. Measured on the 2-core EPYC (K = V = 64, 1 thread): 16 columns (4.5 KiB states)
@@ -800,25 +860,66 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
     acc_t sphi = 0;  // <dS, S> at the end of the sub-chunk (one gate per head)
+    // raw_rows (one gate per head, float32/64 inputs, K a multiple of the vector): every
+    // per-token row above is a scalar times a q or k row of the inputs (a, e and their
+    // products are scalars), so the inner loops read the input rows as they are and the
+    // scalars go to the V-long column vectors instead (go by scale / e, dw by 1 / e, z by
+    // e') and to the per-token sums (dq, dk). Only the sum rows (kDQ, kDKA, kDKB) and, on a
+    // renormalizing token, the ren row are written.
+    const bool raw_rows = std::is_same_v<in_t, acc_t> && !p.gate_per_channel && K % L == 0;
+    AccVec<acc_t> ta(Cs), te(Cs), tzf(Cs), gos(BV);
+    // in.l2norm: the factors r of the q and k rows of each token (1 without l2norm), and of
+    // the k row before it (0 at a sequence start).
+    AccVec<acc_t> trq(Cs), trk(Cs), trkp(Cs), tdq(Cs), tdk(Cs);  // tdq: q . dq (l2norm)
+    auto rq = [&](int64_t tok, int64_t h) {
+      return in.l2norm ? l2norm_rstd<acc_t>(in.q + (tok * H + h) * K, K, in.l2norm_eps)
+                       : acc_t(1);
+    };
+    auto rk = [&](int64_t tok, int64_t h) {
+      return in.l2norm ? l2norm_rstd<acc_t>(in.k + (tok * H + h) * K, K, in.l2norm_eps)
+                       : acc_t(1);
+    };
+    auto scale_row = [&](acc_t r, acc_t* x) {
+      if (r != acc_t(1)) for (int64_t j = 0; j < K; ++j) x[j] *= r;
+    };
+    acc_t e0 = 1;  // raw_rows: the scalar e
+    const AccVec<acc_t> zero_row(Kp, acc_t(0));
+    auto qrow = [&](int64_t tok, int64_t h) {
+      return reinterpret_cast<const acc_t*>(in.q) + (tok * H + h) * K;
+    };
+    auto krow = [&](int64_t tok, int64_t h) {
+      return reinterpret_cast<const acc_t*>(in.k) + (tok * H + h) * K;
+    };
     AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
     AccVec<acc_t> dqt(Kp), dkt(Kp), dgt(Kp);
     std::vector<Vec256<acc_t>> zpart(BV), vqdq(Cs);
     // Row factors of tokens [t0, t0 + len) for the recompute.
     auto forward_rows = [&](int64_t t0, int64_t len, int64_t h, int64_t hv) {
+      if (in.l2norm) {
+        l2norm_rstd_rows(in.k + (t0 * H + h) * K, H * K, len, K, in.l2norm_eps, trk.data());
+      } else {
+        std::fill(trk.begin(), trk.begin() + len, acc_t(1));
+      }
       for (int64_t i = 0; i < len; ++i) {
         const int64_t tok = t0 + i;
         if (i + kRowPrefetchTokens < len) {  // little work per row: fetch further ahead
           prefetch_bytes(in.k + ((tok + kRowPrefetchTokens) * H + h) * K, K * sizeof(in_t));
         }
+        tb[i] = in.beta[tok * HV + hv];
+        if (raw_rows) {
+          ta[i] = std::exp(in.g[tok * HV + hv]);
+          std::fill(row(kA, i), row(kA, i) + Kp, ta[i]);
+          continue;
+        }
         acc_t *a = row(kA, i), *kr = row(kK, i), *ak = row(kAK, i);
         load_decay(p, in.g, tok, hv, a);
         load_row(in.k, tok, H, h, K, kr);
+        scale_row(trk[i], kr);
         for (int64_t r = K; r < Kp; ++r) {  // padding rows: a = 1, k = 0
           a[r] = 1;
           kr[r] = 0;
         }
         for (int64_t r = 0; r < Kp; ++r) ak[r] = a[r] * kr[r];
-        tb[i] = in.beta[tok * HV + hv];
       }
       std::fill(row(kAK, len), row(kAK, len) + Kp, acc_t(0));
     };
@@ -826,6 +927,11 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // rows: a = e = ren = 1 and q = k = 0 there, so padding rows stay zero and never trigger
     // a renormalization).
     auto reverse_rows_of = [&](int64_t t0, int64_t len, int64_t h, int64_t bos) {
+      if (in.l2norm) {
+        l2norm_rstd_rows(in.q + (t0 * H + h) * K, H * K, len, K, in.l2norm_eps, trq.data());
+      } else {
+        std::fill(trq.begin(), trq.begin() + len, acc_t(1));
+      }
       for (int64_t i = len - 1; i >= 0; --i) {
         const int64_t tok = t0 + i;
         if (tok - kPrefetchTokens >= bos) {
@@ -833,8 +939,27 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
           prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
         }
+        trkp[i] = tok > bos ? (i > 0 ? trk[i - 1] : rk(tok - 1, h)) : acc_t(0);
+        if (raw_rows) {
+          const acc_t *qr = qrow(tok, h), *kr = krow(tok, h);
+          vec qk8 = {};
+          for (int64_t rb = 0; rb < Kp; rb += L) qk8 += load_vec(qr + rb) * load_vec(kr + rb);
+          tqk[i] = in.scale * trq[i] * trk[i] * hsum<acc_t>(qk8);
+          const acc_t en = ta[i] * e0;
+          const bool renorm = !(en >= lo && en <= hi);  // also for NaN
+          trenorm[i] = renorm;
+          te[i] = e0;
+          tzf[i] = (renorm ? acc_t(1) : en) * trkp[i];  // z = e' r' (dP . k_{t-1})
+          if (renorm) std::fill(row(kRen, i), row(kRen, i) + Kp, en);
+          e0 = renorm ? acc_t(1) : en;
+          continue;
+        }
         load_row(in.q, tok, H, h, K, qs.data());
-        if (tok > bos) load_row(in.k, tok - 1, H, h, K, kprev.data());
+        scale_row(trq[i], qs.data());
+        if (tok > bos) {
+          load_row(in.k, tok - 1, H, h, K, kprev.data());
+          scale_row(trkp[i], kprev.data());
+        }
         const acc_t *a = row(kA, i), *kr = row(kK, i);
         acc_t *qe = row(kQE, i), *ke = row(kKE, i), *ren = row(kRen, i);
         vec qk8 = {};
@@ -869,7 +994,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // Recomputes tokens [t0, t0 + len) on columns [v0, v0 + nv) from state(0), filling
     // states[1..len] and vws.
     auto recompute = [&](int64_t t0, int64_t len, int64_t hv, int64_t v0, int64_t nv) {
-      project_columns(state(0), Kp, nv, ld, row(kAK, 0), zpart.data());
+      // raw_rows: f = k of the next token, and w = a (S^T k) is scaled when used.
+      const int64_t h = hv / G;
+      auto f_row = [&](int64_t i) {
+        return raw_rows ? krow(std::min(t0 + i, t0 + len - 1), h) : row(kAK, i);
+      };
+      project_columns(state(0), Kp, nv, ld, f_row(0), zpart.data());
       hsum_columns(zpart.data(), nv, w.data());
       for (int64_t i = 0; i < len; ++i) {
         const int64_t tok = t0 + i;
@@ -880,14 +1010,16 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         acc_t* __restrict vw = &vws[i * BV];
         acc_t* __restrict ui = u.data();
         const acc_t* __restrict wi = w.data();
-        const acc_t b = tb[i];
+        // raw_rows: w_i = a_i r_i (S^T k_i), and k_i u^T = k (r_i u)^T
+        const acc_t b = tb[i], wa = raw_rows ? ta[i] * trk[i] : acc_t(1);
+        const acc_t ub = raw_rows ? b * trk[i] : b;
         for (int64_t j = 0; j < nv; ++j) {
-          vw[j] = static_cast<acc_t>(vt[j]) - wi[j];
-          ui[j] = b * vw[j];
+          vw[j] = static_cast<acc_t>(vt[j]) - wa * wi[j];
+          ui[j] = ub * vw[j];
         }
-        recompute_step(state(i), &states[(i + 1) * BS], Kp, nv, ld, row(kA, i), row(kK, i),
-                       row(kAK, i + 1), u.data(), &states[std::min(i + 2, len) * BS],
-                       zpart.data());
+        recompute_step(state(i), &states[(i + 1) * BS], Kp, nv, ld, row(kA, i),
+                       raw_rows ? krow(tok, h) : row(kK, i), f_row(i + 1), u.data(),
+                       &states[std::min(i + 2, len) * BS], zpart.data());
         hsum_columns(zpart.data(), nv, w.data());
       }
     };
@@ -899,13 +1031,16 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       const int64_t nchunks = gdn_num_chunks(eos - bos, C);
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
+        const bool last_head = hv == (h + 1) * G - 1;
         std::fill(dS.begin(), dS.end(), acc_t(0));
         if (grad_ht) gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
         std::fill(e.begin(), e.end(), acc_t(1));
+        e0 = 1;
         // z_j = dS_j . k of the last token (the pipeline's start).
         std::fill(z.begin(), z.end(), acc_t(0));
         if (grad_ht && eos > bos) {
           load_row(in.k, eos - 1, H, h, K, kv.data());
+          scale_row(rk(eos - 1, h), kv.data());
           for (int64_t j = 0; j < V; ++j) {
             acc_t s = 0;
             for (int64_t r = 0; r < K; ++r) s += dS[j * ld + r] * kv[r];
@@ -956,12 +1091,23 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
               if (!p.gate_per_channel) {  // phi = <dS, S> after the sub-chunk, dS = diag(e) D
-                const acc_t *Se = &states[slen * BS], *ee = row(kE, slen - 1);
+                const acc_t* Se = &states[slen * BS];
                 vec phi8 = {};
-                for (int64_t j = 0; j < nv; ++j) {
-                  for (int64_t rb = 0; rb < Kp; rb += L) {
-                    const int64_t x = j * ld + rb;
-                    phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
+                if (raw_rows) {  // e is a scalar
+                  for (int64_t j = 0; j < nv; ++j) {
+                    for (int64_t rb = 0; rb < Kp; rb += L) {
+                      const int64_t x = j * ld + rb;
+                      phi8 += load_vec(dSb + x) * load_vec(Se + x);
+                    }
+                  }
+                  phi8 *= te[slen - 1];
+                } else {
+                  const acc_t* ee = row(kE, slen - 1);
+                  for (int64_t j = 0; j < nv; ++j) {
+                    for (int64_t rb = 0; rb < Kp; rb += L) {
+                      const int64_t x = j * ld + rb;
+                      phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
+                    }
                   }
                 }
                 sphi = first ? hsum<acc_t>(phi8) : sphi + hsum<acc_t>(phi8);
@@ -980,6 +1126,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 for (int64_t j = 0; j < nv; ++j) go[j] = static_cast<acc_t>(got[j]);
                 acc_t* dv_row = dv + (tok * HV + hv) * V + v0;
                 acc_t* zb = &z[v0];
+                // raw_rows: the pass reads q and k as they are: go by scale / e, dw by 1 / e.
+                const acc_t gsc = raw_rows ? in.scale * trq[i] / te[i] : acc_t(1);
+                const acc_t dwsc = raw_rows ? -b * trk[i] / te[i] : -b;
                 vec db8 = {}, gu8 = {}, dvv8 = {};
                 for (int64_t j = 0; j < nvv; j += L) {
                   const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
@@ -990,8 +1139,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   db8 += du8 * vw8;
                   dvv8 += du8 * v8;
                   gu8 += go8 * u8;
-                  store_vec(&dw[j], -b * du8);
+                  store_vec(&dw[j], dwsc * du8);
                   store_vec(&u[j], u8);
+                  if (raw_rows) store_vec(&gos[j], gsc * go8);
                 }
                 acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8), dvv = hsum<acc_t>(dvv8);
                 for (int64_t j = nvv; j < nv; ++j) {
@@ -999,19 +1149,25 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   dv_row[j] = b * du;
                   db += du * vw[j];
                   dvv += du * static_cast<acc_t>(vt[j]);
-                  dw[j] = -b * du;
+                  dw[j] = dwsc * du;
                   u[j] = b * vw[j];
                   gu += go[j] * u[j];
+                  gos[j] = gsc * go[j];
                 }
                 sdb[i] = first ? db : sdb[i] + db;
                 sgu[i] = first ? gu : sgu[i] + gu;
                 sdv[i] = first ? dvv : sdv[i] + dvv;
-                const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
-                                              row(kRen, i)};
+                const ReverseRows<acc_t> rows =
+                    raw_rows ? ReverseRows<acc_t>{qrow(tok, h), krow(tok, h),
+                                                  tok > bos ? krow(tok - 1, h) : zero_row.data(),
+                                                  row(kRen, i)}
+                             : ReverseRows<acc_t>{row(kQE, i), row(kKE, i), row(kKP, i),
+                                                  row(kRen, i)};
                 const acc_t* pf = state(std::max<int64_t>(i - 1, 0));  // next token's
                 auto step = [&](auto renorm, auto channel_gate) {
                   constexpr bool r = decltype(renorm)::value, c = decltype(channel_gate)::value;
-                  reverse_step<r, c>(state(i), dSb, Kp, nv, ld, rows, go.data(),
+                  reverse_step<r, c>(state(i), dSb, Kp, nv, ld, rows,
+                                     raw_rows ? gos.data() : go.data(),
                                      u.data(), dw.data(), first, pf, row(kDQ, i),
                                      row(kDKA, i), row(kDKB, i), row(kDG, i), zpart.data());
                 };
@@ -1023,6 +1179,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   trenorm[i] ? step(yes{}, no{}) : step(no{}, no{});
                 }
                 hsum_columns(zpart.data(), nv, zb);
+                if (raw_rows && tzf[i] != acc_t(1)) {
+                  for (int64_t j = 0; j < nv; ++j) zb[j] *= tzf[i];
+                }
               }
             }
             // The sub-chunk's gradients from the sums over its blocks.
@@ -1034,7 +1193,20 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
               }
               vec qdq8 = {};
-              for (int64_t rb = 0; rb < Kp; rb += L) {
+              if (raw_rows) {  // the scalars folded into go and dw (see raw_rows)
+                const acc_t *qr = qrow(tok, h), *kr = krow(tok, h);
+                const acc_t ae = ta[i] * te[i] / trq[i], sg = in.scale * sgu[i] * trk[i];
+                const acc_t ab = ta[i] / trk[i];
+                for (int64_t rb = 0; rb < Kp; rb += L) {
+                  const vec dq8 = ae * load_vec(row(kDQ, i) + rb) + sg * load_vec(kr + rb);
+                  store_vec(&dqt[rb], dq8);
+                  qdq8 += load_vec(qr + rb) * dq8;
+                  store_vec(&dkt[rb], te[i] * (load_vec(row(kDKA, i) + rb) +
+                                               ab * load_vec(row(kDKB, i) + rb)));
+                }
+                qdq8 *= trq[i];
+              }
+              for (int64_t rb = 0; rb < Kp && !raw_rows; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb), e8 = load_vec(row(kE, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
                 const vec dq8 =
@@ -1054,7 +1226,18 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               vqdq[i] = qdq8;
               acc_t* __restrict dq_row = dq + (tok * H + h) * K;
               acc_t* __restrict dk_row = dk + (tok * H + h) * K;
-              if (first_head) {
+              if (in.l2norm && last_head) {  // the group's sums (l2norm's backward below)
+                if (!first_head) {
+                  for (int64_t j = 0; j < K; ++j) {
+                    dqt[j] += dq_row[j];
+                    dkt[j] += dk_row[j];
+                  }
+                }
+                put_row<false>(dq_row, dqt.data(), K);
+                put_row<false>(dk_row, dkt.data(), K);
+                tdq[i] = row_dot<acc_t>(in.q + (tok * H + h) * K, dq_row, K);
+                tdk[i] = row_dot<acc_t>(in.k + (tok * H + h) * K, dk_row, K);
+              } else if (first_head) {
                 put_row<false>(dq_row, dqt.data(), K);
                 put_row<false>(dk_row, dkt.data(), K);
               } else {
@@ -1065,6 +1248,19 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 put_row<false>(dg + (tok * HV + hv) * K, dgt.data(), K);
               }
               dbeta[tok * HV + hv] = sdb[i];
+            }
+            if (in.l2norm && last_head) {  // dx = r (dy - x r^2 (x . dy)), l2norm_row.h
+              for (int64_t i = 0; i < slen; ++i) {
+                const int64_t tok = s0 + i;
+                const in_t *qr = in.q + (tok * H + h) * K, *kr = in.k + (tok * H + h) * K;
+                acc_t *dq_row = dq + (tok * H + h) * K, *dk_row = dk + (tok * H + h) * K;
+                const acc_t rq_ = trq[i], rk_ = trk[i];
+                const acc_t cq = rq_ * rq_ * tdq[i], ck = rk_ * rk_ * tdk[i];
+                for (int64_t j = 0; j < K; ++j) {
+                  dq_row[j] = rq_ * (dq_row[j] - static_cast<acc_t>(qr[j]) * cq);
+                  dk_row[j] = rk_ * (dk_row[j] - static_cast<acc_t>(kr[j]) * ck);
+                }
+              }
             }
             if (!p.gate_per_channel) {
               // One gate per head: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1}, dS~_t its
@@ -1084,6 +1280,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           }
         }
         if (dstate) {  // dS = diag(e) D
+          if (raw_rows) std::fill(e.begin(), e.end(), e0);
           for (int64_t j = 0; j < V; ++j) {
             for (int64_t r = 0; r < K; ++r) dS[j * ld + r] *= e[r];
           }
@@ -1102,11 +1299,18 @@ std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
 template <typename in_t, typename acc_t>
 Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& g, const at::Tensor& beta,
-                              const std::optional<at::Tensor>& cu, double scale) {
+                              const std::optional<at::Tensor>& cu, double scale,
+                              std::optional<double> l2norm_eps) {
   return Views<in_t, acc_t>{q.data_ptr<in_t>(),    k.data_ptr<in_t>(),
                             v.data_ptr<in_t>(),    g.data_ptr<acc_t>(),
                             beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
-                            static_cast<acc_t>(scale)};
+                            static_cast<acc_t>(scale), l2norm_eps.has_value(),
+                            static_cast<acc_t>(l2norm_eps.value_or(0))};
+}
+
+void check_l2norm_eps(const char* op, std::optional<double> eps) {
+  TORCH_CHECK(!eps.has_value() || (std::isfinite(*eps) && *eps >= 0), op,
+              ": l2norm_eps must be None or a finite number >= 0, got ", eps.value_or(0));
 }
 
 // Slots no sequence uses (the slack of gdn_checkpoint_slots) are zeroed so that the output
@@ -1129,9 +1333,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-    int64_t chunk_size) {
+    int64_t chunk_size, std::optional<double> l2norm_eps) {
   const GdnProblem p = gdn_check_inputs("rlx::gated_delta_fwd", q_in, k_in, v_in, g_in, beta_in,
                                         initial_state, cu_seqlens, chunk_size);
+  check_l2norm_eps("rlx::gated_delta_fwd", l2norm_eps);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const auto h0 = contiguous_opt(initial_state);
@@ -1148,7 +1353,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    forward_kernel<scalar_t, acc_t>(p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale),
+    forward_kernel<scalar_t, acc_t>(p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
                                     h0 ? h0->data_ptr<acc_t>() : nullptr,
                                     o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
                                     ckpt.data_ptr<acc_t>());
@@ -1163,8 +1368,9 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const std::optional<at::Tensor>& cu_seqlens,
                                const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
                                const std::optional<at::Tensor>& grad_final_state,
-                               int64_t chunk_size) {
+                               int64_t chunk_size, std::optional<double> l2norm_eps) {
   const char* op = "rlx::gated_delta_bwd";
+  check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
@@ -1202,7 +1408,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     backward_kernel<scalar_t, acc_t>(
-        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale), ckpt.data_ptr<acc_t>(),
+        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps), ckpt.data_ptr<acc_t>(),
         grad_o.data_ptr<scalar_t>(), grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr, lay,
         buf.data_ptr<acc_t>());
   });

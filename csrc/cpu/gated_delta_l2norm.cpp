@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "huge_pages.h"
+#include "l2norm_row.h"
 
 namespace rlx {
 namespace {
@@ -24,23 +25,6 @@ void check_x(const char* op, const at::Tensor& x) {
 }
 
 at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
-// sum_d a[d] * b[d] in 8 independent lanes (then summed in a fixed order): a single running
-// sum is one dependent add per element, ~4x slower for the K = 64 rows this op sees.
-template <typename acc_t, typename in_t>
-inline acc_t dot(const in_t* a, const in_t* b, int64_t D) {
-  acc_t lanes[8] = {};
-  const int64_t D8 = D / 8 * 8;
-  for (int64_t d0 = 0; d0 < D8; d0 += 8) {
-    for (int64_t l = 0; l < 8; ++l) {
-      lanes[l] += static_cast<acc_t>(a[d0 + l]) * static_cast<acc_t>(b[d0 + l]);
-    }
-  }
-  for (int64_t d = D8; d < D; ++d) lanes[d - D8] += static_cast<acc_t>(a[d]) * static_cast<acc_t>(b[d]);
-  acc_t s = 0;
-  for (acc_t v : lanes) s += v;
-  return s;
-}
 
 // Rows per task: about 64K elements (256 KiB of float32), enough to amortize waking a
 // thread; q/k of the benchmark's small shape (512K elements) took 0.3 ms on one thread.
@@ -62,8 +46,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double
     at::parallel_for(0, rows, grain(D), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* row = xp + i * D;
-        const acc_t ss = dot<acc_t>(row, row, D);
-        const acc_t r = acc_t(1) / std::sqrt(ss + static_cast<acc_t>(eps));
+        const acc_t r = l2norm_rstd<acc_t>(row, D, static_cast<acc_t>(eps));
         rp[i] = r;
         for (int64_t d = 0; d < D; ++d) {
           yp[i * D + d] = static_cast<scalar_t>(static_cast<acc_t>(row[d]) * r);
@@ -103,7 +86,7 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
       for (int64_t i = begin; i < end; ++i) {
         const scalar_t* xr = xp + i * D;
         const scalar_t* gr = gp + i * D;
-        const acc_t xg = dot<acc_t>(xr, gr, D);
+        const acc_t xg = row_dot<acc_t>(xr, gr, D);
         const acc_t r = rp[i], c = r * r * xg;
         for (int64_t d = 0; d < D; ++d) {
           const acc_t dy = static_cast<acc_t>(gr[d]), xv = static_cast<acc_t>(xr[d]);

@@ -81,14 +81,23 @@ uint32_t max_threads(bool backward, mps::GdnDtype t) {
                       .maxTotalThreadsPerThreadgroup);
 }
 
+// The Metal kernels take q and k as given: rlx_torch.gated_delta_rule normalizes them first on
+// MPS (the in-kernel l2norm of the CPU kernels is not ported yet).
+void check_no_l2norm(const char* op, std::optional<double> l2norm_eps) {
+  TORCH_CHECK(!l2norm_eps.has_value(), op,
+              ": l2norm_eps is CPU-only for now; on MPS, L2-normalize q and k before the op "
+              "(rlx_torch.gated_delta_rule(..., use_qk_l2norm=True) does)");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
-    int64_t chunk_size) {
+    int64_t chunk_size, std::optional<double> l2norm_eps) {
   const char* op = "rlx::gated_delta_fwd";
   const GdnProblem p = gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state,
                                         cu_seqlens, chunk_size);
+  check_no_l2norm(op, l2norm_eps);
   check_mps(op, "q", q_in);
   const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, false);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
@@ -124,10 +133,11 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
                                const std::optional<at::Tensor>& cu_seqlens,
                                const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
                                const std::optional<at::Tensor>& grad_final_state,
-                               int64_t chunk_size) {
+                               int64_t chunk_size, std::optional<double> l2norm_eps) {
   const char* op = "rlx::gated_delta_bwd";
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
+  check_no_l2norm(op, l2norm_eps);
   check_mps(op, "q", q_in);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
   const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);

@@ -15,8 +15,8 @@ Op contracts (schemas in ``csrc/ops.cpp``; packed layouts in
 ``csrc/include/rlx/gdn_backward_layout.h``). ``acc`` is float64 for float64 inputs, else
 float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when varlen).
 
-``rlx::gated_delta_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64)
--> (o, final_state, checkpoints)``
+``rlx::gated_delta_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
+l2norm_eps=None) -> (o, final_state, checkpoints)``
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV % H == 0, 1 <= K, V <= 256), all one dtype
     (float16, bfloat16, float32, float64). g ``[B, T, HV]`` or ``[B, T, HV, K]`` and beta
     ``[B, T, HV]`` in acc. initial_state ``[N, HV, K, V]`` acc or None (zeros). cu_seqlens
@@ -26,14 +26,17 @@ float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when v
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
     ``n + bos_n // C + j``. Unused slots are zero. ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
-    public function uses it on the CPU when no gradient is needed).
+    public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
+    (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
+    rounding the normalized rows to the input dtype).
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
-grad_o, grad_final_state, chunk_size=64) -> packed``
+grad_o, grad_final_state, chunk_size=64, l2norm_eps=None) -> packed``
     Same inputs as the forward plus its checkpoints, grad_o (o's shape and dtype) and
     grad_final_state (``[N, HV, K, V]`` acc, or None for zero). Returns one flat acc buffer:
     dq ``[B,T,H,K]``, dk ``[B,T,H,K]``, dv ``[B,T,HV,V]``, dg (g's shape), dbeta ``[B,T,HV]``,
-    then d_initial_state ``[N,HV,K,V]`` when initial_state is given. Offsets come from
+    then d_initial_state ``[N,HV,K,V]`` when initial_state is given; dq and dk are those of
+    the raw q and k when ``l2norm_eps`` is given (as it was to the forward). Offsets come from
     ``rlx::gated_delta_bwd_layout`` (the C++ GdnBackwardLayout), never from Python
     arithmetic. (The op returns the buffer rather than views into it because custom-op
     outputs must not alias each other under torch.compile.)
@@ -101,7 +104,8 @@ def _num_states(q, cu_seqlens):
 
 
 @torch.library.register_fake("rlx::gated_delta_fwd")
-def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64):
+def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
+              l2norm_eps=None):
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     N = _num_states(q, cu_seqlens)
@@ -115,7 +119,7 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64)
 
 @torch.library.register_fake("rlx::gated_delta_bwd")
 def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints, grad_o,
-              grad_final_state, chunk_size=64):
+              grad_final_state, chunk_size=64, l2norm_eps=None):
     layout = _layout_for(q, v, g, initial_state, cu_seqlens)
     return q.new_empty((layout["total"],), dtype=_acc_dtype(q.dtype))
 
@@ -147,54 +151,37 @@ def unpack_gradients(packed, q, v, g, initial_state, cu_seqlens):
 
 class GatedDeltaRuleFunction(torch.autograd.Function):
     """Differentiable ``(o, final_state) = f(q, k, v, g, beta, initial_state)``; g, beta and
-    initial_state already in the accumulation dtype. With ``l2norm_eps`` (CPU), q and k are
-    L2-normalized here too, by the native l2norm ops: one autograd node instead of three
-    (each Function call costs ~25-40 us of Python, a quarter of a T = 16 training step)."""
+    initial_state already in the accumulation dtype. With ``l2norm_eps`` (CPU), the ops
+    L2-normalize q and k themselves and return the raw rows' gradients."""
 
     @staticmethod
     def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps):
-        qn = kn = q_rstd = k_rstd = None
-        if l2norm_eps is not None:
-            qn, q_rstd = torch.ops.rlx.gated_delta_l2norm_fwd(q, l2norm_eps)
-            kn, k_rstd = torch.ops.rlx.gated_delta_l2norm_fwd(k, l2norm_eps)
-            q, k = qn, kn
-        o, final_state, checkpoints = torch.ops.rlx.gated_delta_fwd(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size)
-        return o, final_state, checkpoints, qn, kn, q_rstd, k_rstd
+        return torch.ops.rlx.gated_delta_fwd(
+            q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
         q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps = inputs
-        _, _, checkpoints, qn, kn, q_rstd, k_rstd = output
-        ctx.scale, ctx.chunk_size = scale, chunk_size
-        ctx.l2norm = l2norm_eps is not None
-        if ctx.l2norm:  # the op saw the normalized rows; the raw ones serve l2norm's backward
-            ctx.save_for_backward(qn, kn, v, g, beta, initial_state, cu_seqlens, checkpoints,
-                                  q, k, q_rstd, k_rstd)
-        else:
-            ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints)
-        ctx.mark_non_differentiable(
-            *(t for t in (checkpoints, qn, kn, q_rstd, k_rstd) if t is not None))
+        checkpoints = output[2]
+        ctx.scale, ctx.chunk_size, ctx.l2norm_eps = scale, chunk_size, l2norm_eps
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints)
+        ctx.mark_non_differentiable(checkpoints)
         # Unused outputs (final_state when not returned, the checkpoints) get None rather than
         # materialized zeros: 2 MiB of zero-filled checkpoint gradient per call at T = 2048.
         ctx.set_materialize_grads(False)
 
     @staticmethod
-    def backward(ctx, grad_o, grad_final_state, *_grads_of_non_differentiable_outputs):
-        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors[:8]
+    def backward(ctx, grad_o, grad_final_state, _grad_checkpoints):
+        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(v)
         packed = torch.ops.rlx.gated_delta_bwd(
             q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints,
-            grad_o.to(v.dtype), grad_final_state, ctx.chunk_size)
+            grad_o.to(v.dtype), grad_final_state, ctx.chunk_size, ctx.l2norm_eps)
         dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
                                                          cu_seqlens)
-        dq, dk = dq.to(q.dtype), dk.to(k.dtype)
-        if ctx.l2norm:
-            q_raw, k_raw, q_rstd, k_rstd = ctx.saved_tensors[8:]
-            dq = torch.ops.rlx.gated_delta_l2norm_bwd(dq, q_raw, q_rstd)
-            dk = torch.ops.rlx.gated_delta_l2norm_bwd(dk, k_raw, k_rstd)
-        return dq, dk, dv.to(v.dtype), dg, dbeta, None, dstate, None, None, None
+        return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg, dbeta, None, dstate, None,
+                None, None)
 
 
 @torch.library.register_fake("rlx::gated_delta_l2norm_fwd")
@@ -288,15 +275,15 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         t is not None and t.requires_grad for t in tensors)
     on_cpu = q.device.type == "cpu"
     l2norm_eps = None
-    if use_qk_l2norm and needs_grad and on_cpu:
-        l2norm_eps = L2NORM_EPS  # inside the autograd Function
+    if use_qk_l2norm and on_cpu:
+        l2norm_eps = L2NORM_EPS  # inside the ops: q and k rows are normalized as they are read
     elif use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     if needs_grad or not on_cpu:
-        o, final_state, *_ = GatedDeltaRuleFunction.apply(
+        o, final_state, _ = GatedDeltaRuleFunction.apply(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size),
             l2norm_eps)
     else:  # inference: no checkpoints (saves O(T / C * K * V) memory per head)
         o, final_state, _ = torch.ops.rlx.gated_delta_fwd(
-            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0)
+            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0, l2norm_eps)
     return o, (final_state if output_final_state else None)
