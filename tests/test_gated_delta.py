@@ -153,6 +153,61 @@ def test_l2norm_and_scale_match_reference():
         assert rel_rms(ours[name], expected) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("kw", [
+    dict(K=16, V=16),  # float32 rows of whole vectors, one gate per head: the raw-rows path
+    dict(H=1, HV=3, K=16, V=5, state=True),  # GVA: l2norm's backward on the group's sum
+    dict(K=13, V=7, state=True),  # rows that are not whole vectors
+    dict(per_channel=True, K=16, V=9, state=True),
+    dict(B=1, K=16, V=8, cu_seqlens=[0, 1, 1, 40, 65], state=True),
+    dict(dtype=torch.bfloat16, K=16, V=16, state=True),
+    dict(dtype=torch.float16, per_channel=True, H=1, HV=2, K=8, V=8),
+])
+def test_l2norm_in_kernel_matches_reference(kw):
+    # On the CPU the ops normalize q and k themselves (l2norm_eps) and return the gradients
+    # of the raw rows; every kernel path must agree with normalizing first.
+    torch.manual_seed(3)
+    dtype = kw.get("dtype", torch.float32)
+    inputs = make_inputs(T=65, normalize_k=False, **kw)
+    ours, ref = run_both(inputs, use_qk_l2norm=True)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[dtype], name
+
+
+def test_l2norm_in_kernel_op_equals_composition():
+    # The op with l2norm_eps against the l2norm ops around the plain op, float64.
+    inputs = make_inputs(B=1, T=40, H=1, HV=2, K=8, V=4, normalize_k=False, state=True,
+                         dtype=torch.float64)
+    q, k, v, g, beta, h0 = (inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    ops = torch.ops.rlx
+    o, ht, ckpt = ops.gated_delta_fwd(q, k, v, g, beta, 0.4, h0, None, 8, 1e-6)
+    qn, q_rstd = ops.gated_delta_l2norm_fwd(q, 1e-6)
+    kn, k_rstd = ops.gated_delta_l2norm_fwd(k, 1e-6)
+    o2, ht2, ckpt2 = ops.gated_delta_fwd(qn, kn, v, g, beta, 0.4, h0, None, 8)
+    for a, b in ((o, o2), (ht, ht2), (ckpt, ckpt2)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    go, gh = torch.randn_like(o), torch.randn_like(ht)
+    packed = ops.gated_delta_bwd(q, k, v, g, beta, 0.4, h0, None, ckpt, go, gh, 8, 1e-6)
+    packed2 = ops.gated_delta_bwd(qn, kn, v, g, beta, 0.4, h0, None, ckpt2, go, gh, 8)
+    grads = unpack_gradients(packed, q, v, g, h0, None)
+    grads2 = list(unpack_gradients(packed2, q, v, g, h0, None))
+    grads2[0] = ops.gated_delta_l2norm_bwd(grads2[0], q, q_rstd)
+    grads2[1] = ops.gated_delta_l2norm_bwd(grads2[1], k, k_rstd)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), grads, grads2,
+                          strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=name)
+
+
+@pytest.mark.parametrize("eps", [-1.0, float("nan"), float("inf")])
+def test_bad_l2norm_eps_raises(eps):
+    inputs = make_inputs(B=1, T=5)
+    args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta")) + (0.5, None, None, 4)
+    with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number >= 0"):
+        torch.ops.rlx.gated_delta_fwd(*args, eps)
+    o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
+    with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number >= 0"):
+        torch.ops.rlx.gated_delta_bwd(*args[:8], ckpt, o, None, 4, eps)
+
+
 def test_chunk_size_does_not_change_results():
     inputs = make_inputs(T=50, state=True, dtype=torch.float64)
     torch.manual_seed(1)  # same cotangents for both runs
@@ -190,6 +245,12 @@ def test_gradcheck_per_channel_varlen():
 def test_gradcheck_l2norm_no_state():
     _gradcheck(make_inputs(B=1, T=6, H=2, HV=2, K=3, V=4, normalize_k=False,
                            dtype=torch.float64), use_qk_l2norm=True)
+
+
+def test_gradcheck_l2norm_raw_rows_gva_state():
+    # K = 4 float64 rows are whole vectors: the backward reads the input rows as they are.
+    _gradcheck(make_inputs(B=1, T=7, H=1, HV=2, K=4, V=3, normalize_k=False, state=True,
+                           cu_seqlens=[0, 2, 7], dtype=torch.float64), use_qk_l2norm=True)
 
 
 def _forward_backward(inputs, cot_o, cot_h):
@@ -320,8 +381,9 @@ def test_inference_keeps_no_checkpoints():
 
 
 def test_l2norm_paths_agree():
-    # With gradients, q/k are normalized inside the autograd Function; without, by the ops
-    # directly (a decode step's path). Same ops, so the outputs must be bitwise equal.
+    # With gradients, the autograd Function calls the forward op with checkpoints; without
+    # (a decode step's path), the op directly without them. Both normalize q and k in the
+    # kernel, and the outputs must be bitwise equal.
     inputs = make_inputs(B=2, T=33, state=True, normalize_k=False)
     args = [inputs[n] for n in ("q", "k", "v", "g", "beta")]
     kw = dict(initial_state=inputs["initial_state"], output_final_state=True,
@@ -393,13 +455,14 @@ def test_backward_layout_tiles_buffer(per_channel, state):
 
 def test_opcheck_ops():
     for kw in (dict(state=True), dict(B=1, per_channel=True, cu_seqlens=[0, 4, 9], state=True),
-               dict(H=1, HV=2, K=3, V=5)):
+               dict(H=1, HV=2, K=3, V=5), dict(K=8, l2norm_eps=1e-6, state=True)):
+        eps = kw.pop("l2norm_eps", None)
         inputs = make_inputs(T=9, K=kw.pop("K", 4), V=kw.pop("V", 3), **kw)
         args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 0.5,
-                inputs["initial_state"], inputs["cu_seqlens"], 4)
+                inputs["initial_state"], inputs["cu_seqlens"], 4, eps)
         torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args)
         o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
-        bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4)
+        bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4, eps)
         torch.library.opcheck(torch.ops.rlx.gated_delta_bwd.default, bwd_args)
 
 
