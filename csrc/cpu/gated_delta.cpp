@@ -20,6 +20,9 @@
 // The only exponentials are exp(g_t) of the inputs themselves (<= 1 for the log-space
 // decays g <= 0 the op is meant for); nothing is divided by a decay, only by those
 // bounded scale factors.
+// With l2norm_eps, q and k are L2-normalized as they are read (q_t -> r q_t, one factor r
+// per row, l2norm_row.h): r joins the per-token scalar factors, and the backward takes the
+// gradients of a q/k head's rows through l2norm's backward after summing its value heads.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -365,12 +368,7 @@ template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
                     in_t* out, acc_t* ht, acc_t* ckpt) {
   // With in.l2norm, q and k rows are normalized on the fly: their factors r (one per row, see
-  // l2norm_row.h) join the per-token factors below.
-  auto rq = [&](int64_t tok, int64_t h) {
-    return in.l2norm ? l2norm_rstd<acc_t>(in.q + (tok * p.num_qk_heads + h) * p.head_k_dim,
-                                          p.head_k_dim, in.l2norm_eps)
-                     : acc_t(1);
-  };
+  // l2norm_row.h) join the per-token factors below (rqs, rks).
   auto rk = [&](int64_t tok, int64_t h) {
     return in.l2norm ? l2norm_rstd<acc_t>(in.k + (tok * p.num_qk_heads + h) * p.head_k_dim,
                                           p.head_k_dim, in.l2norm_eps)
@@ -871,10 +869,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // in.l2norm: the factors r of the q and k rows of each token (1 without l2norm), and of
     // the k row before it (0 at a sequence start).
     AccVec<acc_t> trq(Cs), trk(Cs), trkp(Cs), tdq(Cs), tdk(Cs);  // tdq: q . dq (l2norm)
-    auto rq = [&](int64_t tok, int64_t h) {
-      return in.l2norm ? l2norm_rstd<acc_t>(in.q + (tok * H + h) * K, K, in.l2norm_eps)
-                       : acc_t(1);
-    };
     auto rk = [&](int64_t tok, int64_t h) {
       return in.l2norm ? l2norm_rstd<acc_t>(in.k + (tok * H + h) * K, K, in.l2norm_eps)
                        : acc_t(1);
