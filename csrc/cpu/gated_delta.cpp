@@ -233,7 +233,7 @@ inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
     if (K % L == 0 && n <= 64) {
-      vec part[64];
+      vec part[64] = {};  // (zeroed: GCC cannot see that hsum_columns reads only [0, n))
       for (int64_t i = 0; i < n; ++i) {
         const acc_t* r = x + i * stride;
         vec s0 = {}, s1 = {};
