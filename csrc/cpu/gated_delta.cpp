@@ -21,8 +21,9 @@
 // decays g <= 0 the op is meant for); nothing is divided by a decay, only by those
 // bounded scale factors.
 // With l2norm_eps, q and k are L2-normalized as they are read (q_t -> r q_t, one factor r
-// per row, l2norm_row.h): r joins the per-token scalar factors, and the backward takes the
-// gradients of a q/k head's rows through l2norm's backward after summing its value heads.
+// per row, l2norm_row.h): in the forward r joins the per-token scalar factors, the backward
+// scales the rows it loads and takes a q/k head's gradients through l2norm's backward once
+// its value heads are summed.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -858,31 +859,15 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
     acc_t sphi = 0;  // <dS, S> at the end of the sub-chunk (one gate per head)
-    // raw_rows (one gate per head, float32/64 inputs, K a multiple of the vector): every
-    // per-token row above is a scalar times a q or k row of the inputs (a, e and their
-    // products are scalars), so the inner loops read the input rows as they are and the
-    // scalars go to the V-long column vectors instead (go by scale / e, dw by 1 / e, z by
-    // e') and to the per-token sums (dq, dk). Only the sum rows (kDQ, kDKA, kDKB) and, on a
-    // renormalizing token, the ren row are written.
-    const bool raw_rows = std::is_same_v<in_t, acc_t> && !p.gate_per_channel && K % L == 0;
-    AccVec<acc_t> ta(Cs), te(Cs), tzf(Cs), gos(BV);
     // in.l2norm: the factors r of the q and k rows of each token (1 without l2norm), and of
-    // the k row before it (0 at a sequence start).
-    AccVec<acc_t> trq(Cs), trk(Cs), trkp(Cs), tdq(Cs), tdk(Cs);  // tdq: q . dq (l2norm)
+    // the k row before it; the rows are scaled as they are loaded.
+    AccVec<acc_t> trq(Cs), trk(Cs), tdq(Cs), tdk(Cs);  // tdq: q . dq (l2norm)
     auto rk = [&](int64_t tok, int64_t h) {
       return in.l2norm ? l2norm_rstd<acc_t>(in.k + (tok * H + h) * K, K, in.l2norm_eps)
                        : acc_t(1);
     };
     auto scale_row = [&](acc_t r, acc_t* x) {
       if (r != acc_t(1)) for (int64_t j = 0; j < K; ++j) x[j] *= r;
-    };
-    acc_t e0 = 1;  // raw_rows: the scalar e
-    const AccVec<acc_t> zero_row(Kp, acc_t(0));
-    auto qrow = [&](int64_t tok, int64_t h) {
-      return reinterpret_cast<const acc_t*>(in.q) + (tok * H + h) * K;
-    };
-    auto krow = [&](int64_t tok, int64_t h) {
-      return reinterpret_cast<const acc_t*>(in.k) + (tok * H + h) * K;
     };
     AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
     AccVec<acc_t> dqt(Kp), dkt(Kp), dgt(Kp);
@@ -899,12 +884,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         if (i + kRowPrefetchTokens < len) {  // little work per row: fetch further ahead
           prefetch_bytes(in.k + ((tok + kRowPrefetchTokens) * H + h) * K, K * sizeof(in_t));
         }
-        tb[i] = in.beta[tok * HV + hv];
-        if (raw_rows) {
-          ta[i] = std::exp(in.g[tok * HV + hv]);
-          std::fill(row(kA, i), row(kA, i) + Kp, ta[i]);
-          continue;
-        }
         acc_t *a = row(kA, i), *kr = row(kK, i), *ak = row(kAK, i);
         load_decay(p, in.g, tok, hv, a);
         load_row(in.k, tok, H, h, K, kr);
@@ -914,6 +893,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           kr[r] = 0;
         }
         for (int64_t r = 0; r < Kp; ++r) ak[r] = a[r] * kr[r];
+        tb[i] = in.beta[tok * HV + hv];
       }
       std::fill(row(kAK, len), row(kAK, len) + Kp, acc_t(0));
     };
@@ -933,26 +913,11 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           prefetch_bytes(in.q + (tp * H + h) * K, K * sizeof(in_t));
           prefetch_bytes(in.k + (tp * H + h) * K, K * sizeof(in_t));
         }
-        trkp[i] = tok > bos ? (i > 0 ? trk[i - 1] : rk(tok - 1, h)) : acc_t(0);
-        if (raw_rows) {
-          const acc_t *qr = qrow(tok, h), *kr = krow(tok, h);
-          vec qk8 = {};
-          for (int64_t rb = 0; rb < Kp; rb += L) qk8 += load_vec(qr + rb) * load_vec(kr + rb);
-          tqk[i] = in.scale * trq[i] * trk[i] * hsum<acc_t>(qk8);
-          const acc_t en = ta[i] * e0;
-          const bool renorm = !(en >= lo && en <= hi);  // also for NaN
-          trenorm[i] = renorm;
-          te[i] = e0;
-          tzf[i] = (renorm ? acc_t(1) : en) * trkp[i];  // z = e' r' (dP . k_{t-1})
-          if (renorm) std::fill(row(kRen, i), row(kRen, i) + Kp, en);
-          e0 = renorm ? acc_t(1) : en;
-          continue;
-        }
         load_row(in.q, tok, H, h, K, qs.data());
         scale_row(trq[i], qs.data());
         if (tok > bos) {
           load_row(in.k, tok - 1, H, h, K, kprev.data());
-          scale_row(trkp[i], kprev.data());
+          scale_row(i > 0 ? trk[i - 1] : rk(tok - 1, h), kprev.data());
         }
         const acc_t *a = row(kA, i), *kr = row(kK, i);
         acc_t *qe = row(kQE, i), *ke = row(kKE, i), *ren = row(kRen, i);
@@ -988,12 +953,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // Recomputes tokens [t0, t0 + len) on columns [v0, v0 + nv) from state(0), filling
     // states[1..len] and vws.
     auto recompute = [&](int64_t t0, int64_t len, int64_t hv, int64_t v0, int64_t nv) {
-      // raw_rows: f = k of the next token, and w = a (S^T k) is scaled when used.
-      const int64_t h = hv / G;
-      auto f_row = [&](int64_t i) {
-        return raw_rows ? krow(std::min(t0 + i, t0 + len - 1), h) : row(kAK, i);
-      };
-      project_columns(state(0), Kp, nv, ld, f_row(0), zpart.data());
+      project_columns(state(0), Kp, nv, ld, row(kAK, 0), zpart.data());
       hsum_columns(zpart.data(), nv, w.data());
       for (int64_t i = 0; i < len; ++i) {
         const int64_t tok = t0 + i;
@@ -1004,16 +964,14 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         acc_t* __restrict vw = &vws[i * BV];
         acc_t* __restrict ui = u.data();
         const acc_t* __restrict wi = w.data();
-        // raw_rows: w_i = a_i r_i (S^T k_i), and k_i u^T = k (r_i u)^T
-        const acc_t b = tb[i], wa = raw_rows ? ta[i] * trk[i] : acc_t(1);
-        const acc_t ub = raw_rows ? b * trk[i] : b;
+        const acc_t b = tb[i];
         for (int64_t j = 0; j < nv; ++j) {
-          vw[j] = static_cast<acc_t>(vt[j]) - wa * wi[j];
-          ui[j] = ub * vw[j];
+          vw[j] = static_cast<acc_t>(vt[j]) - wi[j];
+          ui[j] = b * vw[j];
         }
-        recompute_step(state(i), &states[(i + 1) * BS], Kp, nv, ld, row(kA, i),
-                       raw_rows ? krow(tok, h) : row(kK, i), f_row(i + 1), u.data(),
-                       &states[std::min(i + 2, len) * BS], zpart.data());
+        recompute_step(state(i), &states[(i + 1) * BS], Kp, nv, ld, row(kA, i), row(kK, i),
+                       row(kAK, i + 1), u.data(), &states[std::min(i + 2, len) * BS],
+                       zpart.data());
         hsum_columns(zpart.data(), nv, w.data());
       }
     };
@@ -1029,7 +987,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         std::fill(dS.begin(), dS.end(), acc_t(0));
         if (grad_ht) gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
         std::fill(e.begin(), e.end(), acc_t(1));
-        e0 = 1;
         // z_j = dS_j . k of the last token (the pipeline's start).
         std::fill(z.begin(), z.end(), acc_t(0));
         if (grad_ht && eos > bos) {
@@ -1085,23 +1042,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
               if (!p.gate_per_channel) {  // phi = <dS, S> after the sub-chunk, dS = diag(e) D
-                const acc_t* Se = &states[slen * BS];
+                const acc_t *Se = &states[slen * BS], *ee = row(kE, slen - 1);
                 vec phi8 = {};
-                if (raw_rows) {  // e is a scalar
-                  for (int64_t j = 0; j < nv; ++j) {
-                    for (int64_t rb = 0; rb < Kp; rb += L) {
-                      const int64_t x = j * ld + rb;
-                      phi8 += load_vec(dSb + x) * load_vec(Se + x);
-                    }
-                  }
-                  phi8 *= te[slen - 1];
-                } else {
-                  const acc_t* ee = row(kE, slen - 1);
-                  for (int64_t j = 0; j < nv; ++j) {
-                    for (int64_t rb = 0; rb < Kp; rb += L) {
-                      const int64_t x = j * ld + rb;
-                      phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
-                    }
+                for (int64_t j = 0; j < nv; ++j) {
+                  for (int64_t rb = 0; rb < Kp; rb += L) {
+                    const int64_t x = j * ld + rb;
+                    phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
                   }
                 }
                 sphi = first ? hsum<acc_t>(phi8) : sphi + hsum<acc_t>(phi8);
@@ -1120,9 +1066,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 for (int64_t j = 0; j < nv; ++j) go[j] = static_cast<acc_t>(got[j]);
                 acc_t* dv_row = dv + (tok * HV + hv) * V + v0;
                 acc_t* zb = &z[v0];
-                // raw_rows: the pass reads q and k as they are: go by scale / e, dw by 1 / e.
-                const acc_t gsc = raw_rows ? in.scale * trq[i] / te[i] : acc_t(1);
-                const acc_t dwsc = raw_rows ? -b * trk[i] / te[i] : -b;
                 vec db8 = {}, gu8 = {}, dvv8 = {};
                 for (int64_t j = 0; j < nvv; j += L) {
                   const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
@@ -1133,9 +1076,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   db8 += du8 * vw8;
                   dvv8 += du8 * v8;
                   gu8 += go8 * u8;
-                  store_vec(&dw[j], dwsc * du8);
+                  store_vec(&dw[j], -b * du8);
                   store_vec(&u[j], u8);
-                  if (raw_rows) store_vec(&gos[j], gsc * go8);
                 }
                 acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8), dvv = hsum<acc_t>(dvv8);
                 for (int64_t j = nvv; j < nv; ++j) {
@@ -1143,25 +1085,19 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   dv_row[j] = b * du;
                   db += du * vw[j];
                   dvv += du * static_cast<acc_t>(vt[j]);
-                  dw[j] = dwsc * du;
+                  dw[j] = -b * du;
                   u[j] = b * vw[j];
                   gu += go[j] * u[j];
-                  gos[j] = gsc * go[j];
                 }
                 sdb[i] = first ? db : sdb[i] + db;
                 sgu[i] = first ? gu : sgu[i] + gu;
                 sdv[i] = first ? dvv : sdv[i] + dvv;
-                const ReverseRows<acc_t> rows =
-                    raw_rows ? ReverseRows<acc_t>{qrow(tok, h), krow(tok, h),
-                                                  tok > bos ? krow(tok - 1, h) : zero_row.data(),
-                                                  row(kRen, i)}
-                             : ReverseRows<acc_t>{row(kQE, i), row(kKE, i), row(kKP, i),
-                                                  row(kRen, i)};
+                const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
+                                              row(kRen, i)};
                 const acc_t* pf = state(std::max<int64_t>(i - 1, 0));  // next token's
                 auto step = [&](auto renorm, auto channel_gate) {
                   constexpr bool r = decltype(renorm)::value, c = decltype(channel_gate)::value;
-                  reverse_step<r, c>(state(i), dSb, Kp, nv, ld, rows,
-                                     raw_rows ? gos.data() : go.data(),
+                  reverse_step<r, c>(state(i), dSb, Kp, nv, ld, rows, go.data(),
                                      u.data(), dw.data(), first, pf, row(kDQ, i),
                                      row(kDKA, i), row(kDKB, i), row(kDG, i), zpart.data());
                 };
@@ -1173,9 +1109,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                   trenorm[i] ? step(yes{}, no{}) : step(no{}, no{});
                 }
                 hsum_columns(zpart.data(), nv, zb);
-                if (raw_rows && tzf[i] != acc_t(1)) {
-                  for (int64_t j = 0; j < nv; ++j) zb[j] *= tzf[i];
-                }
               }
             }
             // The sub-chunk's gradients from the sums over its blocks.
@@ -1187,20 +1120,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
               }
               vec qdq8 = {};
-              if (raw_rows) {  // the scalars folded into go and dw (see raw_rows)
-                const acc_t *qr = qrow(tok, h), *kr = krow(tok, h);
-                const acc_t ae = ta[i] * te[i] / trq[i], sg = in.scale * sgu[i] * trk[i];
-                const acc_t ab = ta[i] / trk[i];
-                for (int64_t rb = 0; rb < Kp; rb += L) {
-                  const vec dq8 = ae * load_vec(row(kDQ, i) + rb) + sg * load_vec(kr + rb);
-                  store_vec(&dqt[rb], dq8);
-                  qdq8 += load_vec(qr + rb) * dq8;
-                  store_vec(&dkt[rb], te[i] * (load_vec(row(kDKA, i) + rb) +
-                                               ab * load_vec(row(kDKB, i) + rb)));
-                }
-                qdq8 *= trq[i];
-              }
-              for (int64_t rb = 0; rb < Kp && !raw_rows; rb += L) {
+              for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb), e8 = load_vec(row(kE, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
                 const vec dq8 =
@@ -1274,7 +1194,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           }
         }
         if (dstate) {  // dS = diag(e) D
-          if (raw_rows) std::fill(e.begin(), e.end(), e0);
           for (int64_t j = 0; j < V; ++j) {
             for (int64_t r = 0; r < K; ++r) dS[j * ld + r] *= e[r];
           }
@@ -1347,7 +1266,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    forward_kernel<scalar_t, acc_t>(p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
+    forward_kernel<scalar_t, acc_t>(p,
+                                    make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale,
+                                                                l2norm_eps),
                                     h0 ? h0->data_ptr<acc_t>() : nullptr,
                                     o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
                                     ckpt.data_ptr<acc_t>());
@@ -1402,9 +1323,9 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     backward_kernel<scalar_t, acc_t>(
-        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps), ckpt.data_ptr<acc_t>(),
-        grad_o.data_ptr<scalar_t>(), grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr, lay,
-        buf.data_ptr<acc_t>());
+        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
+        ckpt.data_ptr<acc_t>(), grad_o.data_ptr<scalar_t>(),
+        grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr, lay, buf.data_ptr<acc_t>());
   });
   return buf;
 }
