@@ -154,7 +154,7 @@ def test_l2norm_and_scale_match_reference():
 
 
 @pytest.mark.parametrize("kw", [
-    dict(K=16, V=16),  # float32 rows of whole vectors, one gate per head: the raw-rows path
+    dict(K=16, V=16),  # float32, one gate per head: the forward's raw-rows path
     dict(H=1, HV=3, K=16, V=5, state=True),  # GVA: l2norm's backward on the group's sum
     dict(K=13, V=7, state=True),  # rows that are not whole vectors
     dict(per_channel=True, K=16, V=9, state=True),
@@ -247,8 +247,8 @@ def test_gradcheck_l2norm_no_state():
                            dtype=torch.float64), use_qk_l2norm=True)
 
 
-def test_gradcheck_l2norm_raw_rows_gva_state():
-    # K = 4 float64 rows are whole vectors: the backward reads the input rows as they are.
+def test_gradcheck_l2norm_gva_varlen_state():
+    # l2norm's backward runs once the group's value heads are summed.
     _gradcheck(make_inputs(B=1, T=7, H=1, HV=2, K=4, V=3, normalize_k=False, state=True,
                            cu_seqlens=[0, 2, 7], dtype=torch.float64), use_qk_l2norm=True)
 
