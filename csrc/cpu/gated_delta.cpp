@@ -471,20 +471,20 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         }
       };
       // ff = a_tok c k_tok, the factors of w_tok = P^T k_tok (a: the next token's decays).
-      auto next_factors = [&](int64_t tok, acc_t* f) {
+      // r: k_tok's l2norm factor (1 without l2norm).
+      auto next_factors = [&](int64_t tok, acc_t* f, acc_t r) {
         const in_t* kt = in.k + (tok * H + h) * K;
-        const acc_t r = rk(tok, h);
         if (p.gate_per_channel) {
           load_decay(p, in.g, tok, hv, a.data());
           for (int64_t j = 0; j < K; ++j) f[j] = a[j] * c[j] * r * static_cast<acc_t>(kt[j]);
         } else {
           a0 = std::exp(in.g[tok * HV + hv]);
           const acc_t fs = a0 * c0 * r;
-          for (int64_t r = 0; r < K; ++r) f[r] = fs * static_cast<acc_t>(kt[r]);
+          for (int64_t j = 0; j < K; ++j) f[j] = fs * static_cast<acc_t>(kt[j]);
         }
       };
       if (bos < eos) {
-        next_factors(bos, ff.data());
+        next_factors(bos, ff.data(), rk(bos, h));
         for (int64_t vb = vb0; vb < vb1; ++vb) {
           int64_t v0, nv;
           block_cols(vb, &v0, &nv);
@@ -551,7 +551,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
             }
           }
           if (tok + 1 < eos) {
-            next_factors(tok + 1, &ff[i * K]);
+            next_factors(tok + 1, &ff[i * K], in.l2norm ? rks[i + 1] : acc_t(1));
           } else {
             std::fill(&ff[i * K], &ff[i * K] + K, acc_t(0));
           }
