@@ -208,6 +208,19 @@ def test_bad_l2norm_eps_raises(eps):
         torch.ops.rlx.gated_delta_bwd(*args[:8], ckpt, o, None, 4, eps)
 
 
+def test_chunk_size_does_not_change_results_with_l2norm():
+    # Checkpoint intervals above 64 tokens take the l2norm factors in several blocks of rows.
+    inputs = make_inputs(B=1, T=150, K=8, normalize_k=False, state=True, dtype=torch.float64)
+    results = []
+    for chunk_size in (7, 64, 100):
+        torch.manual_seed(1)  # same cotangents for every run
+        results.append(run_both(inputs, use_qk_l2norm=True, grads=True,
+                                ours_kw=dict(chunk_size=chunk_size))[0])
+    for other in results[1:]:
+        for name in results[0]:
+            torch.testing.assert_close(other[name], results[0][name], rtol=1e-12, atol=1e-12)
+
+
 def test_chunk_size_does_not_change_results():
     inputs = make_inputs(T=50, state=True, dtype=torch.float64)
     torch.manual_seed(1)  # same cotangents for both runs

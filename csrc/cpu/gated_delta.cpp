@@ -223,34 +223,38 @@ inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __
   for (; j < n; ++j) out[j] = hsum<acc_t>(x[j]);
 }
 
-// out[i] = l2norm_rstd of the K-long row x + i * stride, i < n (n <= 64). Float rows of whole
-// vectors are summed as vectors and reduced eight rows at a time by hsum_columns: a row at a
-// time, the reduction and the square root are one dependent chain per row (~90 cycles; it
-// made the fused l2norm slower than the separate op's pass over q and k).
+// out[i] = l2norm_rstd of the K-long row x + i * stride, i < n. Float rows of whole vectors
+// are summed as vectors and reduced eight rows at a time by hsum_columns: a row at a time,
+// the reduction and the square root are one dependent chain per row (~90 cycles; it made
+// the fused l2norm slower than the separate op's pass over q and k).
 template <typename in_t, typename acc_t>
 inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K, acc_t eps,
                              acc_t* out) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
-    if (K % L == 0 && n <= 64) {
-      vec part[64] = {};  // (zeroed: GCC cannot see that hsum_columns reads only [0, n))
-      for (int64_t i = 0; i < n; ++i) {
-        const acc_t* r = x + i * stride;
-        vec s0 = {}, s1 = {};
-        int64_t d = 0;
-        for (; d + 2 * L <= K; d += 2 * L) {
-          const vec a = load_vec(r + d), b = load_vec(r + d + L);
-          s0 += a * a;
-          s1 += b * b;
+    if (K % L == 0) {
+      constexpr int64_t kRows = 64;
+      vec part[kRows] = {};  // (zeroed: GCC cannot see that hsum_columns reads only [0, m))
+      for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+        const int64_t m = std::min(kRows, n - i0);
+        for (int64_t i = 0; i < m; ++i) {
+          const acc_t* r = x + (i0 + i) * stride;
+          vec s0 = {}, s1 = {};
+          int64_t d = 0;
+          for (; d + 2 * L <= K; d += 2 * L) {
+            const vec a = load_vec(r + d), b = load_vec(r + d + L);
+            s0 += a * a;
+            s1 += b * b;
+          }
+          if (d < K) {
+            const vec a = load_vec(r + d);
+            s0 += a * a;
+          }
+          part[i] = s0 + s1;
         }
-        if (d < K) {
-          const vec a = load_vec(r + d);
-          s0 += a * a;
-        }
-        part[i] = s0 + s1;
+        hsum_columns(part, m, out + i0);
       }
-      hsum_columns(part, n, out);
       for (int64_t i = 0; i < n; ++i) out[i] = acc_t(1) / std::sqrt(out[i] + eps);
       return;
     }
