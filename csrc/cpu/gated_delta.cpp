@@ -872,11 +872,22 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // by block and runs the reverse recurrence of the block over them. With Cs = C (the
     // usual case) the first walk does nothing.
     const int64_t nsubs = gdn_num_chunks(C, Cs);
-    AccVec<acc_t> subs(nsubs * SV), dS(SV), vws(Cs * BV);
-    // The states and rowbuf, the scratch the inner loops stream, in per-thread transparent
-    // huge pages (every element read is written first).
-    acc_t* const scratch = static_cast<acc_t*>(
-        huge_scratch(((Cs + 1) * BS + (Cs + 1) * kTokenRows * Kp) * sizeof(acc_t)));
+    AccVec<acc_t> subs(nsubs * SV), vws(Cs * BV);
+    // The states, rowbuf and dS, the scratch the inner loops stream, in per-thread transparent
+    // huge pages (every element read is written first). dS starts on a 4 KiB boundary like
+    // the states: the reverse pass then reads state i at a multiple of 512 bytes from dS
+    // modulo 4 KiB (K = 64), which none of the few dS columns stored just before matches.
+    // The likely gain: no load waits on a store it only seems to overlap (4 KiB aliasing;
+    // there are no hardware counters on this VM to confirm it). Backward q25 / min in ms,
+    // dS in the heap -> here, alternating in one process: two threads 5.70 / 5.55 -> 5.38 /
+    // 5.30 and 5.81 / 5.65 -> 5.73 / 5.22, one thread 10.61 / 10.29 -> 10.49 / 10.10 and
+    // 10.51 / 10.24 -> 10.23 / 10.05 (medians swing more either way); 2304 bytes past a
+    // boundary was slower than on it (median 11.30 vs 10.75, one thread).
+    const int64_t rows_end = (Cs + 1) * BS + (Cs + 1) * kTokenRows * Kp;
+    constexpr int64_t kPage = 4096 / sizeof(acc_t);
+    const int64_t dS_offset = (rows_end + kPage - 1) / kPage * kPage;
+    acc_t* const scratch =
+        static_cast<acc_t*>(huge_scratch((dS_offset + SV) * sizeof(acc_t)));
     acc_t* const states = scratch;
     // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
     // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
@@ -884,6 +895,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // A token's rows lie together: as separate arrays their rows of one token would fall in
     // the same L1 sets (the arrays are a multiple of 4 KiB apart).
     acc_t* const rowbuf = scratch + (Cs + 1) * BS;
+    acc_t* const dS = scratch + dS_offset;
     AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs), sdv(Cs), tqdq(Cs);
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
@@ -1015,8 +1027,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
         const bool last_head = hv == (h + 1) * G - 1;
-        std::fill(dS.begin(), dS.end(), acc_t(0));
-        if (grad_ht) gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS.data());
+        std::fill(dS, dS + SV, acc_t(0));
+        if (grad_ht) gather_columns(grad_ht + (n * HV + hv) * KV, K, V, ld, dS);
         std::fill(e.begin(), e.end(), acc_t(1));
         // z_j = dS_j . k of the last token (the pipeline's start).
         std::fill(z.begin(), z.end(), acc_t(0));
@@ -1213,7 +1225,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
           for (int64_t j = 0; j < V; ++j) {
             for (int64_t r = 0; r < K; ++r) dS[j * ld + r] *= e[r];
           }
-          scatter_columns(dS.data(), K, V, ld, dstate + (n * HV + hv) * KV);
+          scatter_columns(dS, K, V, ld, dstate + (n * HV + hv) * KV);
         }
       }
     }
