@@ -40,6 +40,10 @@ def _extension():
     srcs, use_mps = _sources()
     debug = os.getenv("DEBUG", "0") == "1"
     cxx = ["-O0", "-g"] if debug else ["-O3"]
+    # Python's own flags (sysconfig CFLAGS) bring -fwrapv, which CPython needs and these
+    # kernels do not: with it, signed index arithmetic may wrap, and GCC's loop optimizations
+    # lose ground (gated delta backward 3-5% slower, in-process A/B on the 2-core EPYC).
+    cxx += ["-fno-wrapv"]
     cxx += ["-Wall", "-Wextra", "-Wno-unused-parameter", "-fdiagnostics-color=always"]
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     extra_link = []
