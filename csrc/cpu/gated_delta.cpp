@@ -972,9 +972,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         }
         load_row(in.q, tok, H, h, K, qs.data());
         scale_row(trq[i], qs.data());
-        if (tok > bos) {
+        // k_{t-1}: the sub-chunk's row from forward_rows, or the token before it.
+        const acc_t* kp_row = row(kK, std::max<int64_t>(i - 1, 0));
+        if (i == 0 && tok > bos) {
           load_row(in.k, tok - 1, H, h, K, kprev.data());
-          scale_row(i > 0 ? trk[i - 1] : rk(tok - 1, h), kprev.data());
+          scale_row(rk(tok - 1, h), kprev.data());
+          kp_row = kprev.data();
         }
         const acc_t *a = row(kA, i), *kr = row(kK, i);
         acc_t *qe = row(kQE, i), *ke = row(kKE, i), *ren = row(kRen, i);
@@ -995,7 +998,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
         trenorm[i] = renorm;
         tqk[i] = hsum<acc_t>(qk8);
         for (int64_t rb = 0; rb < Kp; rb += L) {
-          const vec k8 = tok > bos ? load_vec(&kprev[rb]) : vec{};
+          const vec k8 = tok > bos ? load_vec(kp_row + rb) : vec{};
           const vec ren8 = load_vec(ren + rb);
           store_vec(row(kKP, i) + rb, renorm ? k8 : k8 * ren8);
           store_vec(row(kE, i) + rb, load_vec(&e[rb]));
