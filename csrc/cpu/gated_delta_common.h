@@ -1,0 +1,339 @@
+// Gated delta rule on the CPU: token-by-token recurrence with float32 (float64) state.
+// What the forward (gated_delta_forward.cpp) and the backward (gated_delta_backward.cpp)
+// share: the layouts, vectors, row loads, reductions and prefetches below.
+//
+// Per (sequence, value head hv), state S in R^{K x V}, q/k head h = hv / (HV / H):
+//   P = diag(a_t) S_{t-1}, a_t = exp(g_t)      (one gate per head, or one per key channel)
+//   w = P^T k_t,  u = beta_t (v_t - w),  S_t = P + k_t u^T,  o_t = scale S_t^T q_t
+// Forward: parallel over (sequence, hv, group of V-blocks) -- the columns of S evolve
+// independently -- and keeps S every C tokens in the checkpoint buffer
+// (gdn_backward_layout.h).
+// Backward: parallel over (sequence, q/k head); for each value head of the group it walks
+// the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
+// when they are very large, see backward_kernel), and runs the reverse recurrence for dS
+// over them, one block of columns at a time (the columns evolve independently; a block's
+// states fit L2): the per-token row factors are computed once per chunk for all blocks, and
+// the blocks' partial dq/dk/dg/dbeta are summed in a fixed order. dq/dk of a group are summed
+// over its value heads in a fixed order, so results are bitwise reproducible.
+// Both directions stream the state once per token: each pass also accumulates the next
+// token's state projection (software pipelining), and the state (forward) and dS
+// (backward) are kept lazily decayed, scaled by per-row factors in [2^-20, 2^20] that are
+// renormalized before they leave that range (see TokenCoeffs, ReverseRows).
+// The only exponentials are exp(g_t) of the inputs themselves (<= 1 for the log-space
+// decays g <= 0 the op is meant for); nothing is divided by a decay, only by those
+// bounded scale factors.
+// With l2norm_eps, q and k are L2-normalized as they are read (q_t -> r q_t, one factor r
+// per row, l2norm_row.h): in the forward r joins the per-token scalar factors, the backward
+// scales the rows it loads and takes a q/k head's gradients through l2norm's backward once
+// its value heads are summed.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
+#include <type_traits>
+#include <vector>
+
+#include "rlx/gdn_backward_layout.h"
+#include "rlx/gdn_checks.h"
+#include "huge_pages.h"
+#include "l2norm_row.h"
+
+namespace rlx {
+namespace {
+
+// The forward keeps its state block row-major ([K, nv], fla's layout): a block of columns is
+// updated with S^T k and S^T q accumulating down the rows in vector registers. The backward
+// works on column-major states (column j of S, K contiguous values, is what a token's
+// update touches for output channel j): its loops run over row blocks outside and columns
+// inside, so the sums over V (dq, dk, dg) stay in registers and the sums over K (per
+// column) accumulate as vectors. Checkpoints and user-facing states keep fla's [K, V]
+// layout and are transposed on the way in and out of the backward (once per C tokens).
+// Every reduction runs in a fixed order, so results are reproducible bit for bit.
+
+template <typename acc_t>
+using AccVec = std::vector<acc_t>;
+
+// Raw pointers of one call; token index tok = b * T + t (the packed position when varlen).
+template <typename in_t, typename acc_t>
+struct Views {
+  const in_t *q, *k, *v;
+  const acc_t *g, *beta;
+  const int64_t* cu;  // nullptr when not varlen
+  acc_t scale;
+  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
+  acc_t l2norm_eps;
+};
+
+// Loads row (tok, head) of a [tokens, heads, dim] input as acc_t.
+template <typename in_t, typename acc_t>
+inline void load_row(const in_t* base, int64_t tok, int64_t heads, int64_t head, int64_t dim,
+                     acc_t* out) {
+  const in_t* src = base + (tok * heads + head) * dim;
+  for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<acc_t>(src[i]);
+}
+
+// Decay factors a = exp(g) of value head hv: one per key channel, or one broadcast to all K.
+template <typename acc_t>
+inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t hv,
+                       acc_t* a) {
+  const int64_t K = p.head_k_dim;
+  if (p.gate_per_channel) {
+    const acc_t* src = g + (tok * p.num_v_heads + hv) * K;
+    for (int64_t i = 0; i < K; ++i) a[i] = std::exp(src[i]);
+  } else {
+    const acc_t e = std::exp(g[tok * p.num_v_heads + hv]);
+    for (int64_t i = 0; i < K; ++i) a[i] = e;
+  }
+}
+
+// Column-major [V, K] scratch with column stride ld -> row-major [K, V] state (see
+// gather_columns below).
+template <typename acc_t>
+inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, acc_t* dst) {
+  for (int64_t r = 0; r < K; ++r) {
+    for (int64_t j = 0; j < V; ++j) dst[r * V + j] = src[j * ld + r];
+  }
+}
+
+// Column stride of the backward's column-major scratch states: K rounded up to a vector,
+// plus one vector when that is a multiple of 128 bytes. A power-of-two stride (K = 64, 128)
+// maps the same rows of all V columns onto a few L1 sets, and the row-block sweeps then
+// miss L1 on almost every access (the K = 128 backward ran 13x the forward's time).
+template <typename acc_t>
+inline int64_t padded_column_stride(int64_t K) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  const int64_t ld = (K + L - 1) / L * L;
+  return (ld * int64_t(sizeof(acc_t))) % 128 == 0 ? ld + L : ld;
+}
+
+// 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
+// Every function here has internal linkage, so the ABI note GCC gives for passing such
+// vectors in a build without AVX (RLX_AVX2=0) does not apply.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
+template <typename T>
+struct VecOf;
+template <>
+struct VecOf<float> {
+  typedef float type __attribute__((vector_size(32)));
+};
+template <>
+struct VecOf<double> {
+  typedef double type __attribute__((vector_size(32)));
+};
+template <typename acc_t>
+using Vec256 = typename VecOf<acc_t>::type;
+
+template <typename acc_t>
+inline Vec256<acc_t> load_vec(const acc_t* p) {
+  Vec256<acc_t> x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+template <typename acc_t>
+inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
+  std::memcpy(p, &x, sizeof(x));
+}
+
+// x, hidden from the optimizer: GCC turns loops that only copy or zero a few hundred bytes
+// (the backward's per-token gradient rows and column sums) into memmove/memset calls, ~3% of
+// the backward in a profile. An empty asm on the value keeps them inline vector moves.
+template <typename vec>
+inline vec opaque(vec x) {
+#if defined(__AVX__)
+  asm("" : "+x"(x));
+#endif
+  return x;
+}
+
+// Row-major [K, V] state -> column-major [V, K] scratch with column stride ld >= K. Float
+// states go through 8 x 8 tiles transposed in registers (the scalar loop's strided stores
+// took 3% of the backward in a profile).
+template <typename acc_t>
+inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, int64_t ld,
+                           acc_t* __restrict dst) {
+  int64_t K8 = 0, V8 = 0;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using vec = Vec256<float>;
+    K8 = K / 8 * 8;
+    V8 = V / 8 * 8;
+    for (int64_t r0 = 0; r0 < K8; r0 += 8) {
+      for (int64_t j0 = 0; j0 < V8; j0 += 8) {
+        vec x[8], t[8], y[8];
+        for (int64_t i = 0; i < 8; ++i) x[i] = load_vec(src + (r0 + i) * V + j0);
+        for (int64_t i = 0; i < 8; i += 2) {
+          t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
+          t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
+        }
+        for (int64_t i = 0; i < 8; i += 4) {
+          y[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
+          y[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
+          y[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
+          y[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
+        }
+        for (int64_t i = 0; i < 4; ++i) {  // y[i]: columns i and i + 4 of rows r0..r0+3
+          store_vec(dst + (j0 + i) * ld + r0,
+                    __builtin_shufflevector(y[i], y[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+          store_vec(dst + (j0 + i + 4) * ld + r0,
+                    __builtin_shufflevector(y[i], y[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+        }
+      }
+    }
+  }
+#endif
+  for (int64_t r = 0; r < K; ++r) {  // what the tiles left: rows from K8, columns from V8
+    for (int64_t j = r < K8 ? V8 : 0; j < V; ++j) dst[j * ld + r] = src[r * V + j];
+  }
+}
+
+template <typename acc_t>
+inline acc_t hsum(const Vec256<acc_t>& x) {
+  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
+  acc_t s = 0;
+  for (int64_t l = 0; l < L; ++l) s += x[l];
+  return s;
+}
+
+// out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
+// transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
+// instructions per column for hsum (the backward reduces 2 V columns per token; in-process
+// A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
+// Fixed order, so still reproducible.
+template <typename acc_t>
+inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
+  int64_t j = 0;
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    using vec = Vec256<float>;
+    auto pair = [](const vec& a, const vec& b) {
+      return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    };
+    auto quad = [](const vec& a, const vec& b) {
+      return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+             __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+    };
+    for (; j + 8 <= n; j += 8) {
+      const vec t0 = quad(pair(x[j], x[j + 1]), pair(x[j + 2], x[j + 3]));
+      const vec t1 = quad(pair(x[j + 4], x[j + 5]), pair(x[j + 6], x[j + 7]));
+      store_vec(out + j, __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                             __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15));
+    }
+  }
+#endif
+  for (; j < n; ++j) out[j] = hsum<acc_t>(x[j]);
+}
+
+// out[i] = l2norm_rstd of the K-long row x + i * stride, i < n. Float rows of whole vectors
+// are summed as vectors and reduced eight rows at a time by hsum_columns: a row at a time,
+// the reduction and the square root are one dependent chain per row (~90 cycles; it made
+// the fused l2norm slower than the separate op's pass over q and k).
+template <typename in_t, typename acc_t>
+inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K, acc_t eps,
+                             acc_t* out) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  if constexpr (std::is_same_v<in_t, acc_t>) {
+    if (K % L == 0) {
+      constexpr int64_t kRows = 64;
+      vec part[kRows] = {};  // (zeroed: GCC cannot see that hsum_columns reads only [0, m))
+      for (int64_t i0 = 0; i0 < n; i0 += kRows) {
+        const int64_t m = std::min(kRows, n - i0);
+        for (int64_t i = 0; i < m; ++i) {
+          const acc_t* r = x + (i0 + i) * stride;
+          vec s0 = {}, s1 = {};
+          int64_t d = 0;
+          for (; d + 2 * L <= K; d += 2 * L) {
+            const vec a = load_vec(r + d), b = load_vec(r + d + L);
+            s0 += a * a;
+            s1 += b * b;
+          }
+          if (d < K) {
+            const vec a = load_vec(r + d);
+            s0 += a * a;
+          }
+          part[i] = s0 + s1;
+        }
+        hsum_columns(part, m, out + i0);
+      }
+      for (int64_t i = 0; i < n; ++i) out[i] = acc_t(1) / std::sqrt(out[i] + eps);
+      return;
+    }
+  }
+  for (int64_t i = 0; i < n; ++i) out[i] = l2norm_rstd<acc_t>(x + i * stride, K, eps);
+}
+
+// dy <- r (dy - x r^2 (x . dy)): l2norm's backward (l2norm_row.h) on an acc_t row, in place.
+// Float rows of whole vectors in vector registers: with the generic row_dot (a dependent
+// chain per lane, then a scalar sum) the two rows per token took 7% of the backward.
+template <typename in_t, typename acc_t>
+inline void l2norm_backward_inplace(const in_t* x, acc_t r, int64_t K, acc_t* dy) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  if constexpr (std::is_same_v<in_t, acc_t>) {
+    if (K % L == 0) {
+      vec s0 = {}, s1 = {};
+      int64_t d = 0;
+      for (; d + 2 * L <= K; d += 2 * L) {
+        s0 += load_vec(x + d) * load_vec(dy + d);
+        s1 += load_vec(x + d + L) * load_vec(dy + d + L);
+      }
+      if (d < K) s0 += load_vec(x + d) * load_vec(dy + d);
+      const acc_t c = r * r * hsum<acc_t>(s0 + s1);
+      for (d = 0; d < K; d += L) store_vec(dy + d, r * (load_vec(dy + d) - load_vec(x + d) * c));
+      return;
+    }
+  }
+  const acc_t c = r * r * row_dot<acc_t>(x, dy, K);
+  for (int64_t d = 0; d < K; ++d) dy[d] = r * (dy[d] - static_cast<acc_t>(x[d]) * c);
+}
+
+// Rows of consecutive tokens lie H*K (HV*V) elements apart, often a page or more: the
+// hardware prefetchers do not follow that stride, and each token then waits on a few cache
+// misses (~1/3 of the K = V = 128 forward's time). Prefetching a few tokens ahead hides them.
+constexpr int64_t kPrefetchTokens = 4;
+constexpr int64_t kRowPrefetchTokens = 16;  // for loops that do O(K) work per token
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
+}
+
+inline void prefetch_rows_l2(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
+}
+
+inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return t->contiguous();
+}
+
+template <typename in_t, typename acc_t>
+inline Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& g, const at::Tensor& beta,
+                              const std::optional<at::Tensor>& cu, double scale,
+                              std::optional<double> l2norm_eps) {
+  return Views<in_t, acc_t>{q.data_ptr<in_t>(),    k.data_ptr<in_t>(),
+                            v.data_ptr<in_t>(),    g.data_ptr<acc_t>(),
+                            beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
+                            static_cast<acc_t>(scale), l2norm_eps.has_value(),
+                            static_cast<acc_t>(l2norm_eps.value_or(0))};
+}
+
+inline void check_l2norm_eps(const char* op, std::optional<double> eps) {
+  TORCH_CHECK(!eps.has_value() || (std::isfinite(*eps) && *eps >= 0), op,
+              ": l2norm_eps must be None or a finite number >= 0, got ", eps.value_or(0));
+}
+
+}  // namespace
+}  // namespace rlx
