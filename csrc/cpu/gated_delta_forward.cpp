@@ -207,6 +207,12 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
           l2norm_rstd_rows(in.q + (t0 * H + h) * K, H * K, len, K, in.l2norm_eps, rqs);
           l2norm_rstd_rows(in.k + (t0 * H + h) * K, H * K, std::min(len + 1, eos - t0), K,
                            in.l2norm_eps, rks);
+          // The next chunk's rows go to L2 meanwhile: the pass above is the first to read
+          // them, a strided row at a time.
+          for (int64_t tok = t0 + TC; tok < std::min(eos, t0 + 2 * TC); ++tok) {
+            prefetch_rows_l2(in.q + (tok * H + h) * K, K * sizeof(in_t));
+            prefetch_rows_l2(in.k + (tok * H + h) * K, K * sizeof(in_t));
+          }
         }
         // Row factors of the chunk's tokens (the decays of tok, a and a0, come from the
         // previous token's next_factors).
