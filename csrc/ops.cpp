@@ -22,7 +22,7 @@ TORCH_LIBRARY(rlx, m) {
       "codebook_matmul_backward(Tensor grad_out, Tensor x, Tensor indices, Tensor codebook,"
       " Tensor? scales, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
 
-  // ---- gated delta rule (csrc/cpu/gated_delta.cpp) ----
+  // ---- gated delta rule (csrc/cpu/gated_delta_{forward,backward}.cpp, gated_delta.cpp) ----
   // Contract (shapes, dtypes, checkpoints): rlx_torch/ops/gated_delta.py; packed layouts:
   // csrc/include/rlx/gdn_backward_layout.h. Returns (o, final_state, checkpoints).
   // l2norm_eps: q and k are L2-normalized over K inside the op (fla's use_qk_l2norm_in_kernel);

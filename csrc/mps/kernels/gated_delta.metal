@@ -1,6 +1,6 @@
 // Gated delta rule on Apple GPUs: forward, backward, and the backward's fixed-order
 // reduction. Same recurrence, checkpoints and packed gradient layout as the CPU op
-// (csrc/cpu/gated_delta.cpp, csrc/include/rlx/gdn_backward_layout.h). Per (sequence n,
+// (csrc/cpu/gated_delta_common.h, csrc/include/rlx/gdn_backward_layout.h). Per (sequence n,
 // value head hv), state S in R^{K x V} (float32), q/k head h = hv / (HV / H):
 //   P = diag(a_t) S_{t-1}, a_t = exp(g_t);  u = beta_t (v_t - P^T k_t);  S_t = P + k_t u^T;
 //   o_t = scale S_t^T q_t
