@@ -72,14 +72,6 @@ struct Views {
   acc_t l2norm_eps;
 };
 
-// Loads row (tok, head) of a [tokens, heads, dim] input as acc_t.
-template <typename in_t, typename acc_t>
-inline void load_row(const in_t* base, int64_t tok, int64_t heads, int64_t head, int64_t dim,
-                     acc_t* out) {
-  const in_t* src = base + (tok * heads + head) * dim;
-  for (int64_t i = 0; i < dim; ++i) out[i] = static_cast<acc_t>(src[i]);
-}
-
 // Decay factors a = exp(g) of value head hv: one per key channel, or one broadcast to all K.
 template <typename acc_t>
 inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t hv,
@@ -92,26 +84,6 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
     const acc_t e = std::exp(g[tok * p.num_v_heads + hv]);
     for (int64_t i = 0; i < K; ++i) a[i] = e;
   }
-}
-
-// Column-major [V, K] scratch with column stride ld -> row-major [K, V] state (see
-// gather_columns below).
-template <typename acc_t>
-inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, acc_t* dst) {
-  for (int64_t r = 0; r < K; ++r) {
-    for (int64_t j = 0; j < V; ++j) dst[r * V + j] = src[j * ld + r];
-  }
-}
-
-// Column stride of the backward's column-major scratch states: K rounded up to a vector,
-// plus one vector when that is a multiple of 128 bytes. A power-of-two stride (K = 64, 128)
-// maps the same rows of all V columns onto a few L1 sets, and the row-block sweeps then
-// miss L1 on almost every access (the K = 128 backward ran 13x the forward's time).
-template <typename acc_t>
-inline int64_t padded_column_stride(int64_t K) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
-  const int64_t ld = (K + L - 1) / L * L;
-  return (ld * int64_t(sizeof(acc_t))) % 128 == 0 ? ld + L : ld;
 }
 
 // 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
@@ -142,58 +114,6 @@ inline Vec256<acc_t> load_vec(const acc_t* p) {
 template <typename acc_t>
 inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
   std::memcpy(p, &x, sizeof(x));
-}
-
-// x, hidden from the optimizer: GCC turns loops that only copy or zero a few hundred bytes
-// (the backward's per-token gradient rows and column sums) into memmove/memset calls, ~3% of
-// the backward in a profile. An empty asm on the value keeps them inline vector moves.
-template <typename vec>
-inline vec opaque(vec x) {
-#if defined(__AVX__)
-  asm("" : "+x"(x));
-#endif
-  return x;
-}
-
-// Row-major [K, V] state -> column-major [V, K] scratch with column stride ld >= K. Float
-// states go through 8 x 8 tiles transposed in registers (the scalar loop's strided stores
-// took 3% of the backward in a profile).
-template <typename acc_t>
-inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, int64_t ld,
-                           acc_t* __restrict dst) {
-  int64_t K8 = 0, V8 = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = Vec256<float>;
-    K8 = K / 8 * 8;
-    V8 = V / 8 * 8;
-    for (int64_t r0 = 0; r0 < K8; r0 += 8) {
-      for (int64_t j0 = 0; j0 < V8; j0 += 8) {
-        vec x[8], t[8], y[8];
-        for (int64_t i = 0; i < 8; ++i) x[i] = load_vec(src + (r0 + i) * V + j0);
-        for (int64_t i = 0; i < 8; i += 2) {
-          t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
-          t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);
-        }
-        for (int64_t i = 0; i < 8; i += 4) {
-          y[i] = __builtin_shufflevector(t[i], t[i + 2], 0, 1, 8, 9, 4, 5, 12, 13);
-          y[i + 1] = __builtin_shufflevector(t[i], t[i + 2], 2, 3, 10, 11, 6, 7, 14, 15);
-          y[i + 2] = __builtin_shufflevector(t[i + 1], t[i + 3], 0, 1, 8, 9, 4, 5, 12, 13);
-          y[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
-        }
-        for (int64_t i = 0; i < 4; ++i) {  // y[i]: columns i and i + 4 of rows r0..r0+3
-          store_vec(dst + (j0 + i) * ld + r0,
-                    __builtin_shufflevector(y[i], y[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-          store_vec(dst + (j0 + i + 4) * ld + r0,
-                    __builtin_shufflevector(y[i], y[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
-        }
-      }
-    }
-  }
-#endif
-  for (int64_t r = 0; r < K; ++r) {  // what the tiles left: rows from K8, columns from V8
-    for (int64_t j = r < K8 ? V8 : 0; j < V; ++j) dst[j * ld + r] = src[r * V + j];
-  }
 }
 
 template <typename acc_t>
@@ -273,36 +193,10 @@ inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K
   for (int64_t i = 0; i < n; ++i) out[i] = l2norm_rstd<acc_t>(x + i * stride, K, eps);
 }
 
-// dy <- r (dy - x r^2 (x . dy)): l2norm's backward (l2norm_row.h) on an acc_t row, in place.
-// Float rows of whole vectors in vector registers: with the generic row_dot (a dependent
-// chain per lane, then a scalar sum) the two rows per token took 7% of the backward.
-template <typename in_t, typename acc_t>
-inline void l2norm_backward_inplace(const in_t* x, acc_t r, int64_t K, acc_t* dy) {
-  using vec = Vec256<acc_t>;
-  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  if constexpr (std::is_same_v<in_t, acc_t>) {
-    if (K % L == 0) {
-      vec s0 = {}, s1 = {};
-      int64_t d = 0;
-      for (; d + 2 * L <= K; d += 2 * L) {
-        s0 += load_vec(x + d) * load_vec(dy + d);
-        s1 += load_vec(x + d + L) * load_vec(dy + d + L);
-      }
-      if (d < K) s0 += load_vec(x + d) * load_vec(dy + d);
-      const acc_t c = r * r * hsum<acc_t>(s0 + s1);
-      for (d = 0; d < K; d += L) store_vec(dy + d, r * (load_vec(dy + d) - load_vec(x + d) * c));
-      return;
-    }
-  }
-  const acc_t c = r * r * row_dot<acc_t>(x, dy, K);
-  for (int64_t d = 0; d < K; ++d) dy[d] = r * (dy[d] - static_cast<acc_t>(x[d]) * c);
-}
-
 // Rows of consecutive tokens lie H*K (HV*V) elements apart, often a page or more: the
 // hardware prefetchers do not follow that stride, and each token then waits on a few cache
 // misses (~1/3 of the K = V = 128 forward's time). Prefetching a few tokens ahead hides them.
 constexpr int64_t kPrefetchTokens = 4;
-constexpr int64_t kRowPrefetchTokens = 16;  // for loops that do O(K) work per token
 inline void prefetch_bytes(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i);
