@@ -737,6 +737,28 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   });
 }
 
+}  // namespace
+}  // namespace rlx
+
+#include "gated_delta_backward_chunked.h"
+
+namespace rlx {
+namespace {
+
+// The chunked backward for one gate per head when every g <= 0 (decays, its domain: see
+// gated_delta_backward_chunked.h), the token-by-token one otherwise.
+// RLX_GDN_RECURRENT_BACKWARD=1 forces the token-by-token one (for comparisons).
+template <typename acc_t>
+bool use_chunked_backward(const GdnProblem& p, const at::Tensor& g) {
+  if (p.gate_per_channel) return false;
+  const char* force = std::getenv("RLX_GDN_RECURRENT_BACKWARD");
+  if (force != nullptr && force[0] == '1') return false;
+  const acc_t* x = g.data_ptr<acc_t>();
+  bool ok = true;
+  for (int64_t i = 0, n = g.numel(); i < n; ++i) ok &= x[i] <= acc_t(0);  // false for NaN
+  return ok;
+}
+
 at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const at::Tensor& v_in, const at::Tensor& g_in,
                                const at::Tensor& beta_in, double scale,
@@ -783,10 +805,17 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_bwd",
                                   [&] {
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    backward_kernel<scalar_t, acc_t>(
-        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
-        ckpt.data_ptr<acc_t>(), grad_o.data_ptr<scalar_t>(),
-        grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr, lay, buf.data_ptr<acc_t>());
+    const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
+    const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
+    if (use_chunked_backward<acc_t>(p, g)) {
+      chunked_backward_kernel<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
+                                               grad_o.data_ptr<scalar_t>(), gh, lay,
+                                               buf.data_ptr<acc_t>());
+    } else {
+      backward_kernel<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
+                                       grad_o.data_ptr<scalar_t>(), gh, lay,
+                                       buf.data_ptr<acc_t>());
+    }
   });
   return buf;
 }

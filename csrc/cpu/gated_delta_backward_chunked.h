@@ -1,0 +1,542 @@
+// Gated delta rule on the CPU, backward for one gate per head with g <= 0 (Gated DeltaNet's
+// decays): the chunked (WY) form, where a block of Cs tokens is a handful of small matrix
+// products instead of Cs passes over the state. Included by gated_delta_backward.cpp, which
+// picks it; the token-by-token backward there handles the other cases (a gate per key
+// channel, or any g > 0, whose decay products could overflow here).
+//
+// Within a sub-chunk of n <= Cs tokens (0-based t), with a_t = exp(g_t) <= 1,
+// gam_t = a_0 ... a_t and E[i][j] = a_{j+1} ... a_i (j <= i; products only, no division,
+// so a strong decay underflows to 0 instead of overflowing), S0 the state before the
+// sub-chunk, k/q rows already l2-normalized (q also scaled: qs = scale q):
+//   S_i = gam_i S0 + sum_{j<=i} E[i][j] k_j u_j^T,
+//   vw_i = v_i - gam_i S0^T k_i - sum_{j<i} A[i][j] u_j,  u_i = b_i vw_i,
+//   A[i][j] = E[i][j] (k_i . k_j)  (j < i: a unit lower triangular solve, row by row).
+// The backward, given dSn = dL/dS_{n-1} (from the sub-chunk after) and go = dL/do:
+//   (I + (b A)^T) du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j,
+//   dw = -b du, dv = b du, dbeta_t = du_t . vw_t,
+//   dq_t / scale = S_t go_t = gam_t S0 go_t + sum_{j<=t} E[t][j] (go_t . u_j) k_j,
+//   dk_t = D_t u_t + a_t S_{t-1} dw_t  (D_t = dL/dS_t incl. the output's qs_t go_t^T)
+//        = E[n-1][t] dSn u_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
+//          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
+//   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
+// and dg by the recursion of the token-by-token backward (psi, phi: see there).
+// The multiply-adds are those of that backward, ~8 per state element and token, plus
+// ~10 Cs (K or V) per token for the Cs x Cs products; but they run as register-tiled matrix
+// products (gemm below) at a far higher rate than a pass over the state per token.
+#pragma once
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+namespace rlx {
+namespace {
+
+// C[M x N] (+)= diag(rs) A[M x P] B[P x N], row-major; N a multiple of the vector length.
+// An MR x NV-vector tile of C stays in registers over the whole inner dimension.
+template <int64_t MR, int64_t NV, typename acc_t>
+inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
+                      const acc_t* __restrict B, int64_t ldb, acc_t* __restrict C, int64_t ldc,
+                      const acc_t* rs, bool add) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec c[MR][NV];
+  for (int64_t m = 0; m < MR; ++m) {
+    for (int64_t v = 0; v < NV; ++v) c[m][v] = vec{};
+  }
+  for (int64_t p = 0; p < P; ++p) {
+    vec b[NV];
+    for (int64_t v = 0; v < NV; ++v) b[v] = load_vec(B + p * ldb + v * L);
+    for (int64_t m = 0; m < MR; ++m) {
+      const acc_t a = A[m * lda + p];
+      for (int64_t v = 0; v < NV; ++v) c[m][v] += a * b[v];
+    }
+  }
+  for (int64_t m = 0; m < MR; ++m) {
+    for (int64_t v = 0; v < NV; ++v) {
+      const vec x = rs ? rs[m] * c[m][v] : c[m][v];
+      acc_t* d = C + m * ldc + v * L;
+      store_vec(d, add ? load_vec(d) + x : x);
+    }
+  }
+}
+
+// Tiles of 6 rows by 2 vectors: 12 independent accumulators keep both FMA pipes busy through
+// their 4-cycle latency, and with the 2 B vectors and the broadcast A value they use 15 of
+// AVX2's 16 vector registers.
+template <int64_t MR, typename acc_t>
+inline void gemm_cols(int64_t P, int64_t N, const acc_t* A, int64_t lda, const acc_t* B,
+                      int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  int64_t j = 0;
+  for (; j + 2 * L <= N; j += 2 * L) gemm_tile<MR, 2>(P, A, lda, B + j, ldb, C + j, ldc, rs, add);
+  if (j < N) gemm_tile<MR, 1>(P, A, lda, B + j, ldb, C + j, ldc, rs, add);
+}
+
+template <typename acc_t>
+inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, const acc_t* B,
+                 int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add) {
+  constexpr int64_t MR = 6;
+  for (int64_t i = 0; i < M; i += MR) {
+    const acc_t* Ai = A + i * lda;
+    acc_t* Ci = C + i * ldc;
+    const acc_t* rsi = rs ? rs + i : nullptr;
+    switch (std::min(MR, M - i)) {
+      case 6: gemm_cols<6>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
+      case 5: gemm_cols<5>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
+      case 4: gemm_cols<4>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
+      case 3: gemm_cols<3>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
+      case 2: gemm_cols<2>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
+      default: gemm_cols<1>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add);
+    }
+  }
+}
+
+// y[0, n) += c x, n a multiple of the vector length.
+template <typename acc_t>
+inline void axpy(int64_t n, acc_t c, const acc_t* __restrict x, acc_t* __restrict y) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  for (int64_t i = 0; i < n; i += L) store_vec(y + i, load_vec(y + i) + c * load_vec(x + i));
+}
+
+template <typename acc_t>
+inline acc_t dot(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    s0 += load_vec(x + i) * load_vec(y + i);
+    s1 += load_vec(x + i + L) * load_vec(y + i + L);
+  }
+  if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
+  return hsum<acc_t>(s0 + s1);
+}
+
+// out[0, n) = c x y elementwise, n a multiple of the vector length.
+template <typename acc_t>
+inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_t c = 1) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  for (int64_t i = 0; i < n; i += L) store_vec(out + i, c * (load_vec(x + i) * load_vec(y + i)));
+}
+
+// dst[0, n) = src, n a multiple of the vector length, through non-temporal stores when dst
+// is vector-aligned (the gradient rows are written once and read by no one here: without
+// them every line is first read for ownership, and the rows, a KiB or more apart, fall on a
+// quarter of L1's sets).
+template <typename acc_t>
+inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+#if defined(__AVX__)
+  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+    for (int64_t i = 0; i < n; i += L) {
+      if constexpr (std::is_same_v<acc_t, float>) {
+        _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
+      } else {
+        _mm256_stream_pd(dst + i, _mm256_loadu_pd(src + i));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; i += L) store_vec(dst + i, load_vec(src + i));
+}
+
+// sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
+template <typename acc_t>
+inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    s0 += load_vec(x + i) * load_vec(y + i);
+    s1 += load_vec(x + i + L) * load_vec(y + i + L);
+  }
+  if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
+  return s0 + s1;
+}
+
+// Loads n rows (tok0.., head) of a [tokens, heads, dim] input into a zero-padded [Cs, ld]
+// acc_t matrix, each row times f[i] (1 when f is null) and c.
+template <typename in_t, typename acc_t>
+inline void load_rows(const in_t* base, int64_t tok0, int64_t n, int64_t rows, int64_t heads,
+                      int64_t head, int64_t dim, int64_t ld, const acc_t* f, acc_t c,
+                      acc_t* out) {
+  for (int64_t i = 0; i < rows; ++i) {
+    acc_t* o = out + i * ld;
+    if (i < n) {
+      const in_t* src = base + ((tok0 + i) * heads + head) * dim;
+      const acc_t s = f ? c * f[i] : c;
+      for (int64_t d = 0; d < dim; ++d) o[d] = s * static_cast<acc_t>(src[d]);
+      for (int64_t d = dim; d < ld; ++d) o[d] = 0;
+    } else {
+      for (int64_t d = 0; d < ld; ++d) o[d] = 0;
+    }
+  }
+}
+
+// Gradient rows waiting to be streamed out (stream_row), a few at a time between products:
+// written all at once, the sub-chunk's rows (~200 lines) wait on the few write-combining
+// buffers.
+template <typename acc_t>
+struct RowDrain {
+  struct Row {
+    acc_t* dst;
+    const acc_t* src;
+    int64_t n;
+  };
+  std::vector<Row> rows;
+  size_t next = 0;
+  void drain(int64_t n) {
+    for (; n > 0 && next < rows.size(); --n, ++next) {
+      stream_row(rows[next].dst, rows[next].src, rows[next].n);
+    }
+  }
+  void flush() {
+    drain(int64_t(rows.size()));
+    rows.clear(), next = 0;
+  }
+};
+
+template <typename in_t, typename acc_t>
+void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
+                             const acc_t* ckpt, const in_t* grad_o, const acc_t* grad_ht,
+                             const GdnBackwardLayout& lay, acc_t* buf) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
+  const int64_t C = p.chunk, KV = K * V, G = p.group();
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t Cs = 16, CC = Cs * Cs;  // sub-chunk: a multiple of L for float and double
+  constexpr int64_t kPumpLines = 24, kDrainRows = 6;  // per pump (see pump)
+  const int64_t Kp = (K + L - 1) / L * L, Vp = (V + L - 1) / L * L, SP = Kp * Vp;
+  acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
+  acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
+  acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
+  const int64_t nsubs = gdn_num_chunks(C, Cs);
+  const acc_t* const no_scale = nullptr;  // gemm's rs: rows not scaled
+  const int64_t tasks = p.num_seqs * H;
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    // What the forward walk over a chunk keeps per sub-chunk for the backward walk: the k
+    // and v rows (k^T too), u, vw, A (strictly lower), E and E^T, gam, beta, k's l2norm
+    // factors; and the states before each sub-chunk (and after the last).
+    struct Sub {
+      int64_t n;
+      acc_t *kc, *kct, *vc, *u, *vw, *A, *E, *ET, *gam, *b, *rk;
+    };
+    // All scratch in one per-thread block kept across calls (huge_scratch): fresh vectors
+    // here cost ~150 page faults a call. Every value is written before it is read.
+    const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
+    const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP +
+                                 Cs * Kp + 2 * Cs * Vp + Cs * Vp + Vp * Cs + Kp * 2 * Cs +
+                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 4 * Cs;
+    acc_t* free = static_cast<acc_t*>(huge_scratch(scratch_size * sizeof(acc_t)));
+    auto take = [&](int64_t n) { acc_t* r = free; free += n; return r; };
+    std::vector<Sub> subs(nsubs);
+    for (Sub& sb : subs) {
+      sb.kc = take(Cs * Kp), sb.kct = take(Kp * Cs), sb.vc = take(Cs * Vp);
+      sb.u = take(Cs * Vp), sb.vw = take(Cs * Vp);
+      sb.A = take(CC), sb.E = take(CC), sb.ET = take(CC);
+      sb.gam = take(Cs), sb.b = take(Cs), sb.rk = take(Cs);
+    }
+    acc_t* const states = take((nsubs + 1) * SP);
+    // Backward scratch of one sub-chunk.
+    acc_t *const dS = take(SP), *const S0T = take(SP), *const dST = take(SP);
+    acc_t *const qs = take(Cs * Kp), *const ow = take(2 * Cs * Vp), *const du = take(Cs * Vp);
+    acc_t *const ut = take(Vp * Cs), *const qkt = take(Kp * 2 * Cs);
+    acc_t *const mat = take(CC), *const mat2 = take(CC), *const gu = take(CC),
+          *const wu = take(CC);
+    // dq, dk and dv rows of a sub-chunk: two sets, one filled while the other drains
+    acc_t* const grad_rows = take(2 * Cs * (2 * Kp + Vp));
+    acc_t *const elast = take(Cs), *const rq = take(Cs), *const tmp = take(Kp * Cs);
+    acc_t *const sgam = take(Cs), *const sums = take(3 * Cs);
+    std::vector<Vec256<acc_t>> lanes_buf(3 * Cs);
+    Vec256<acc_t>* const lanes = lanes_buf.data();
+    acc_t* const dOc = ow;           // rows [0, Cs): go
+    acc_t* const dW = ow + Cs * Vp;   // rows [Cs, 2 Cs): dw
+    auto rstd_rows = [&](const in_t* x, int64_t t0, int64_t n, int64_t h, acc_t* out) {
+      if (in.l2norm) {
+        l2norm_rstd_rows(x + (t0 * H + h) * K, H * K, n, K, in.l2norm_eps, out);
+      } else {
+        std::fill(out, out + n, acc_t(1));
+      }
+    };
+    // The input rows a walk reads lie a KiB or more apart, and the chunks run backwards: the
+    // hardware does not prefetch them, and a burst of prefetches for a whole sub-chunk stalls
+    // on the few line-fill buffers. So while one walk runs, the rows the next one reads are
+    // queued (the forward walk of a chunk queues its q and go rows, the backward walk the
+    // k and v rows of the chunk before) and fetched a few lines at a time between products.
+    std::vector<std::pair<const char*, int64_t>> pf_rows;  // (row, bytes)
+    size_t pf_next = 0;
+    int64_t pf_byte = 0;
+    auto queue_rows = [&](const void* base, int64_t t0, int64_t n, int64_t heads, int64_t head,
+                          int64_t dim, int64_t elem) {
+      const char* c = static_cast<const char*>(base);
+      for (int64_t tok = t0; tok < t0 + n; ++tok) {
+        pf_rows.emplace_back(c + ((tok * heads + head) * dim) * elem, dim * elem);
+      }
+    };
+    RowDrain<acc_t> drain;
+    int64_t step = 0;  // backward steps so far: picks the set of gradient rows
+    auto pump = [&] {
+      for (int64_t i = 0; i < kPumpLines && pf_next < pf_rows.size(); ++i) {
+        __builtin_prefetch(pf_rows[pf_next].first + pf_byte);
+        pf_byte += 64;
+        if (pf_byte >= pf_rows[pf_next].second) ++pf_next, pf_byte = 0;
+      }
+      drain.drain(kDrainRows);
+    };
+    auto restart_queue = [&] { pf_rows.clear(), pf_next = 0, pf_byte = 0; };
+
+    // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
+    // after it, states[s + 1], from states[s].
+    auto forward_sub = [&](int64_t s, int64_t t0, int64_t n, int64_t bos, int64_t h,
+                           int64_t hv) {
+      Sub& sb = subs[s];
+      sb.n = n;
+      const acc_t* S0 = &states[s * SP];
+      acc_t* S1 = &states[(s + 1) * SP];
+      rstd_rows(in.k, t0, n, h, sb.rk);
+      load_rows(in.k, t0, n, Cs, H, h, K, Kp, sb.rk, acc_t(1), sb.kc);
+      load_rows(in.v, t0, n, Cs, HV, hv, V, Vp, no_scale, acc_t(1), sb.vc);
+      gather_columns(sb.kc, Cs, Kp, Cs, sb.kct);
+      pump();
+      std::fill(sb.E, sb.E + CC, acc_t(0));
+      std::fill(sb.gam, sb.gam + Cs, acc_t(0));
+      std::fill(sb.b, sb.b + Cs, acc_t(0));
+      acc_t gam = 1;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t tok = t0 + i;
+        const acc_t a = std::exp(in.g[tok * HV + hv]);
+        gam *= a;
+        sb.gam[i] = gam;
+        sb.b[i] = in.beta[tok * HV + hv];
+        for (int64_t j = 0; j < i; ++j) sb.E[i * Cs + j] = sb.E[(i - 1) * Cs + j] * a;
+        sb.E[i * Cs + i] = 1;
+      }
+      gather_columns(sb.E, Cs, Cs, Cs, sb.ET);
+      pump();
+      // vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j, u_i = b_i vw_i: the first two terms
+      // for all rows, then the solve, one finished row at a time updating the rows after it
+      // (no row waits on a chain of updates to itself).
+      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, sb.vw, Vp, sb.gam, false);
+      for (int64_t x = 0; x < Cs * Vp; x += L) {
+        store_vec(sb.vw + x, load_vec(sb.vc + x) - load_vec(sb.vw + x));
+      }
+      pump();
+      gemm(Cs, Cs, Kp, sb.kc, Kp, sb.kct, Cs, mat, Cs, no_scale, false);
+      hadamard(CC, sb.E, mat, sb.A);
+      for (int64_t i = 0; i < Cs; ++i) sb.A[i * Cs + i] = 0;
+      pump();
+      for (int64_t i = 0; i < n; ++i) {
+        const acc_t* r = sb.vw + i * Vp;
+        acc_t* ui = sb.u + i * Vp;
+        for (int64_t d = 0; d < Vp; d += L) store_vec(ui + d, sb.b[i] * load_vec(r + d));
+        for (int64_t i2 = i + 1; i2 < n; ++i2) axpy(Vp, -sb.A[i2 * Cs + i], ui, sb.vw + i2 * Vp);
+      }
+      std::fill(sb.u + n * Vp, sb.u + Cs * Vp, acc_t(0));
+      pump();
+      // S1 = gam_{n-1} S0 + sum_j E[n-1][j] k_j u_j^T
+      for (int64_t r = 0; r < Kp; ++r) {
+        for (int64_t j = 0; j < Cs; j += L) {
+          store_vec(&tmp[r * Cs + j],
+                    load_vec(sb.kct + r * Cs + j) * load_vec(sb.E + (n - 1) * Cs + j));
+        }
+      }
+      const acc_t gl = sb.gam[n - 1];
+      for (int64_t x = 0; x < SP; x += L) store_vec(S1 + x, gl * load_vec(S0 + x));
+      gemm(Kp, Vp, Cs, tmp, Cs, sb.u, Vp, S1, Vp, no_scale, true);
+      pump();
+    };
+
+    for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {
+      const int64_t h = task % H, n = task / H;
+      int64_t bos, eos;
+      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
+      const int64_t base = gdn_checkpoint_base(n, bos, C);
+      const int64_t nchunks = gdn_num_chunks(eos - bos, C);
+      for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
+        const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
+        const bool last_head = hv == (h + 1) * G - 1;
+        std::fill(dS, dS + SP, acc_t(0));
+        if (grad_ht) {
+          const acc_t* src = grad_ht + (n * HV + hv) * KV;
+          for (int64_t r = 0; r < K; ++r) std::copy(src + r * V, src + (r + 1) * V, &dS[r * Vp]);
+        }
+        for (int64_t c = nchunks - 1; c >= 0; --c) {
+          const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
+          const int64_t ns = gdn_num_chunks(len, Cs);
+          const acc_t* ck = ckpt + ((base + c) * HV + hv) * KV;
+          std::fill(states, states + SP, acc_t(0));
+          for (int64_t r = 0; r < K; ++r) std::copy(ck + r * V, ck + (r + 1) * V, &states[r * Vp]);
+          restart_queue();  // this chunk's q and go rows, for its backward walk
+          queue_rows(in.q, t0, len, H, h, K, sizeof(in_t));
+          queue_rows(grad_o, t0, len, HV, hv, V, sizeof(in_t));
+          for (int64_t s = 0; s < ns; ++s) {
+            forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), bos, h, hv);
+          }
+          restart_queue();  // the k and v rows of the chunk before, for its forward walk
+          if (c > 0) {
+            queue_rows(in.k, t0 - C, C, H, h, K, sizeof(in_t));
+            queue_rows(in.v, t0 - C, C, HV, hv, V, sizeof(in_t));
+          }
+          for (int64_t s = ns - 1; s >= 0; --s) {
+            const Sub& sb = subs[s];
+            const int64_t s0 = t0 + s * Cs, m = sb.n;
+            acc_t* const dqr = grad_rows + (step++ % 2) * Cs * (2 * Kp + Vp);
+            acc_t* const dkr = dqr + Cs * Kp;
+            acc_t* const dvr = dkr + Cs * Kp;
+            const acc_t *S0 = &states[s * SP], *S1 = &states[(s + 1) * SP];
+            // phi = <dSn, S_{n-1}> for dg's recursion
+            const acc_t phi = dot(SP, dS, S1);
+            pump();
+            rstd_rows(in.q, s0, m, h, rq);
+            // q rows unscaled: scale goes into the products that use them (so the q . dq of
+            // dg's recursion needs no division by it).
+            load_rows(in.q, s0, m, Cs, H, h, K, Kp, rq, acc_t(1), qs);
+            for (int64_t t = 0; t < Cs; ++t) sgam[t] = in.scale * sb.gam[t];
+            load_rows(grad_o, s0, m, Cs, HV, hv, V, Vp, no_scale, acc_t(1), dOc);
+            gather_columns(qs, Cs, Kp, 2 * Cs, qkt);  // columns [0, Cs): qs^T
+            for (int64_t t = 0; t < Cs; ++t) elast[t] = sb.E[(m - 1) * Cs + t];
+            pump();
+            // du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j, then the back
+            // substitution (I + A^T) with dw_j = -b_j du_j, a finished row at a time.
+            gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, du, Vp, elast, false);
+            gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, false);
+            hadamard(CC, sb.ET, mat, mat, in.scale);
+            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, du, Vp, no_scale, true);
+            pump();
+            std::fill(dW + m * Vp, dW + Cs * Vp, acc_t(0));
+            for (int64_t t = m - 1; t >= 0; --t) {
+              acc_t* w = dW + t * Vp;
+              for (int64_t d = 0; d < Vp; d += L) store_vec(w + d, -sb.b[t] * load_vec(&du[t * Vp + d]));
+              for (int64_t i = 0; i < t; ++i) axpy(Vp, sb.A[t * Cs + i], w, &du[i * Vp]);
+            }
+            pump();
+            // dq / scale = gam S0 go + sum_{j<=t} E[t][j] (go_t . u_j) k_j
+            gather_columns(sb.u, Cs, Vp, Cs, ut);
+            gather_columns(S0, Kp, Vp, Kp, S0T);
+            gather_columns(dS, Kp, Vp, Kp, dST);
+            pump();
+            gemm(Cs, Cs, Vp, dOc, Vp, ut, Cs, gu, Cs, no_scale, false);
+            gemm(Cs, Cs, Vp, dW, Vp, ut, Cs, wu, Cs, no_scale, false);
+            pump();
+            gemm(Cs, Kp, Vp, dOc, Vp, S0T, Kp, dqr, Kp, sgam, false);
+            hadamard(CC, sb.E, gu, mat, in.scale);
+            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, true);
+            pump();
+            // dk = E[n-1][t] dSn u_t + gam_t S0 dw_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
+            //      + (sum_{j>t} E[j][t] (dw_j . u_t) + sum_{j<t} E[t][j] (dw_t . u_j)) k_j
+            gemm(Cs, Kp, Vp, sb.u, Vp, dST, Kp, dkr, Kp, elast, false);
+            gemm(Cs, Kp, Vp, dW, Vp, S0T, Kp, dkr, Kp, sb.gam, true);
+            gather_columns(gu, Cs, Cs, Cs, mat2);
+            hadamard(CC, sb.ET, mat2, mat, in.scale);
+            gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, true);
+            gather_columns(wu, Cs, Cs, Cs, mat2);
+            hadamard(CC, sb.ET, mat2, mat);
+            hadamard(CC, sb.E, wu, mat2);
+            for (int64_t x = 0; x < CC; x += L) {
+              store_vec(&mat[x], load_vec(&mat[x]) + load_vec(&mat2[x]));
+            }
+            for (int64_t t = 0; t < Cs; ++t) mat[t * Cs + t] = 0;
+            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dkr, Kp, no_scale, true);
+            pump();
+            // dS0 = gam_{n-1} dSn + [gam qs | gam k]^T [go; dw]
+            for (int64_t r = 0; r < Kp; ++r) {
+              acc_t* x = &qkt[r * 2 * Cs];
+              for (int64_t j = 0; j < Cs; j += L) {
+                store_vec(x + j, load_vec(x + j) * load_vec(sgam + j));
+                store_vec(x + Cs + j, load_vec(sb.kct + r * Cs + j) * load_vec(sb.gam + j));
+              }
+            }
+            const acc_t gl = sb.gam[m - 1];
+            for (int64_t x = 0; x < SP; x += L) store_vec(&dS[x], gl * load_vec(&dS[x]));
+            gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale,
+                 true);
+            pump();
+            // The sub-chunk's gradients. Per-token sums first, as lane vectors reduced eight
+            // tokens at a time; then dg by its recursion, last token first: with
+            // phi_t = <dS_t, S_t>, dg_t = psi_t = phi_t + go_t . o_t - b_t du_t . v_t and
+            // phi_{t-1} = psi_t (see backward_kernel); go_t . o_t = q_t . dq_t.
+            for (int64_t t = 0; t < Cs; ++t) {
+              lanes[t] = dot_lanes(Kp, qs + t * Kp, dqr + t * Kp);
+              lanes[Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vc + t * Vp);
+              lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
+            }
+            for (int64_t i = 0; i < 3; ++i) hsum_columns(lanes + i * Cs, Cs, sums + i * Cs);
+            acc_t psi = phi;
+            for (int64_t t = m - 1; t >= 0; --t) {
+              psi += sums[t] - sb.b[t] * sums[Cs + t];
+              dg[(s0 + t) * HV + hv] = psi;
+              dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
+            }
+            drain.flush();  // the rows of the step before (the other set)
+            for (int64_t t = 0; t < m; ++t) {
+              acc_t* dv_row = dv + ((s0 + t) * HV + hv) * V;
+              const acc_t* dut = du + t * Vp;
+              const acc_t bt = sb.b[t];
+              if (V % L == 0) {
+                acc_t* x = dvr + t * Vp;
+                for (int64_t d = 0; d < V; d += L) store_vec(x + d, bt * load_vec(dut + d));
+                drain.rows.push_back({dv_row, x, V});
+              } else {
+                for (int64_t d = 0; d < V; ++d) dv_row[d] = bt * dut[d];
+              }
+            }
+            // dq, dk of a q/k head sum over its value heads: the last one reads the others'
+            // sum back, finishes the rows (l2norm's backward) and streams them out.
+            if (last_head && !first_head) {
+              for (int64_t t = 0; t < m; ++t) {
+                put_row<true>(dqr + t * Kp, dq + ((s0 + t) * H + h) * K, K);
+                put_row<true>(dkr + t * Kp, dk + ((s0 + t) * H + h) * K, K);
+              }
+            }
+            if (in.l2norm && last_head) {
+              // l2norm's backward from the normalized rows y = r x at hand (qs, kc):
+              // dx = r (dy - y (y . dy)).
+              for (int64_t t = 0; t < Cs; ++t) {
+                lanes[t] = dot_lanes(Kp, qs + t * Kp, dqr + t * Kp);
+                lanes[Cs + t] = dot_lanes(Kp, sb.kc + t * Kp, dkr + t * Kp);
+              }
+              for (int64_t i = 0; i < 2; ++i) hsum_columns(lanes + i * Cs, Cs, sums + i * Cs);
+              for (int64_t t = 0; t < m; ++t) {
+                const acc_t *y = qs + t * Kp, *yk = sb.kc + t * Kp;
+                acc_t *x = dqr + t * Kp, *xk = dkr + t * Kp;
+                for (int64_t d = 0; d < Kp; d += L) {
+                  store_vec(x + d, rq[t] * (load_vec(x + d) - sums[t] * load_vec(y + d)));
+                  store_vec(xk + d, sb.rk[t] * (load_vec(xk + d) - sums[Cs + t] * load_vec(yk + d)));
+                }
+              }
+            }
+            for (int64_t t = 0; t < m; ++t) {
+              acc_t* dq_row = dq + ((s0 + t) * H + h) * K;
+              acc_t* dk_row = dk + ((s0 + t) * H + h) * K;
+              if (last_head && K % L == 0) {
+                drain.rows.push_back({dq_row, dqr + t * Kp, K});
+                drain.rows.push_back({dk_row, dkr + t * Kp, K});
+              } else if (last_head || first_head) {
+                put_row<false>(dq_row, dqr + t * Kp, K);
+                put_row<false>(dk_row, dkr + t * Kp, K);
+              } else {
+                put_row<true>(dq_row, dqr + t * Kp, K);
+                put_row<true>(dk_row, dkr + t * Kp, K);
+              }
+            }
+            pump();
+          }
+        }
+        drain.flush();  // (the next value head reads the dq, dk sums back)
+        if (dstate) {
+          acc_t* dst = dstate + (n * HV + hv) * KV;
+          for (int64_t r = 0; r < K; ++r) std::copy(&dS[r * Vp], &dS[r * Vp] + V, dst + r * V);
+        }
+      }
+    }
+#if defined(__AVX__)
+    _mm_sfence();  // the streamed rows are visible before the parallel region ends
+#endif
+  });
+}
+
+}  // namespace
+}  // namespace rlx
