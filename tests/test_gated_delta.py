@@ -416,8 +416,9 @@ def test_l2norm_paths_agree():
     assert torch.equal(dv, dv_all)
 
 
-def test_deterministic_bitwise():
-    inputs = make_inputs(B=2, T=100, H=2, HV=4, K=16, V=16, state=True, per_channel=True)
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
+def test_deterministic_bitwise(per_channel):
+    inputs = make_inputs(B=2, T=100, H=2, HV=4, K=16, V=16, state=True, per_channel=per_channel)
     torch.manual_seed(1)
     first, _ = run_both(inputs)
     torch.manual_seed(1)
@@ -429,7 +430,7 @@ def test_deterministic_bitwise():
 def test_bitwise_equal_across_thread_counts():
     # The forward's column blocks shrink with more threads (V = 67: blocks of 40 columns on
     # one thread, 24 on two, 16 on four), which must not change any column's arithmetic.
-    inputs = make_inputs(B=1, T=150, H=1, HV=1, K=13, V=67, state=True)
+    inputs = make_inputs(B=2, T=150, H=2, HV=4, K=13, V=67, state=True)
     threads = torch.get_num_threads()
     results = []
     try:
@@ -442,6 +443,30 @@ def test_bitwise_equal_across_thread_counts():
     for other in results[1:]:
         for name in results[0]:
             assert torch.equal(results[0][name], other[name]), name
+
+
+@pytest.mark.parametrize("variant", ["per_head", "gva", "k_ne_v", "state", "varlen", "l2norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_chunked_and_token_by_token_backward_agree(variant, dtype, monkeypatch):
+    # One gate per head with every g <= 0 takes the chunked backward; a gate per channel, any
+    # g > 0, or RLX_GDN_RECURRENT_BACKWARD=1 the token-by-token one. Both match the reference
+    # (odd chunk and sub-chunk lengths: T = 150, checkpoints every 48 tokens) and each other.
+    kw = dict(VARIANTS[variant])
+    use_qk_l2norm = kw.pop("use_qk_l2norm", False)
+    kw.setdefault("T", 150)
+    if "cu_seqlens" in kw:
+        kw["cu_seqlens"] = [0, 20, 20, 97, 150]
+    inputs = make_inputs(dtype=dtype, **kw)
+    results = {}
+    for path in ("chunked", "token"):
+        monkeypatch.setenv("RLX_GDN_RECURRENT_BACKWARD", "1" if path == "token" else "0")
+        torch.manual_seed(1)
+        results[path], ref = run_both(inputs, use_qk_l2norm=use_qk_l2norm,
+                                      ours_kw=dict(chunk_size=48))
+        for name, expected in ref.items():
+            assert rel_rms(results[path][name], expected) < TOL[dtype], (path, name)
+    for name in results["chunked"]:
+        assert rel_rms(results["chunked"][name], results["token"][name]) < TOL[dtype], name
 
 
 @pytest.mark.parametrize("per_channel,state", [(False, False), (True, False), (False, True)])

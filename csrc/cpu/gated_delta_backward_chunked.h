@@ -73,21 +73,31 @@ inline void gemm_cols(int64_t P, int64_t N, const acc_t* A, int64_t lda, const a
   if (j < N) gemm_tile<MR, 1>(P, A, lda, B + j, ldb, C + j, ldc, rs, add);
 }
 
+// A's zero triangle, when it has one (M = P): a row tile then runs over A's nonzero columns
+// only.
+enum class Tri { kFull, kLower, kUpper };
+
 template <typename acc_t>
 inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, const acc_t* B,
-                 int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add) {
+                 int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add,
+                 Tri tri = Tri::kFull) {
   constexpr int64_t MR = 6;
   for (int64_t i = 0; i < M; i += MR) {
-    const acc_t* Ai = A + i * lda;
+    const int64_t m = std::min(MR, M - i);
+    const int64_t p0 = tri == Tri::kUpper ? i : 0;
+    const int64_t p1 = tri == Tri::kLower ? std::min(P, i + m) : P;
+    const acc_t* Ai = A + i * lda + p0;
+    const acc_t* Bi = B + p0 * ldb;
     acc_t* Ci = C + i * ldc;
     const acc_t* rsi = rs ? rs + i : nullptr;
-    switch (std::min(MR, M - i)) {
-      case 6: gemm_cols<6>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
-      case 5: gemm_cols<5>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
-      case 4: gemm_cols<4>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
-      case 3: gemm_cols<3>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
-      case 2: gemm_cols<2>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add); break;
-      default: gemm_cols<1>(P, N, Ai, lda, B, ldb, Ci, ldc, rsi, add);
+    const int64_t Pi = p1 - p0;
+    switch (m) {
+      case 6: gemm_cols<6>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
+      case 5: gemm_cols<5>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
+      case 4: gemm_cols<4>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
+      case 3: gemm_cols<3>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
+      case 2: gemm_cols<2>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
+      default: gemm_cols<1>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add);
     }
   }
 }
@@ -229,7 +239,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
     const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP +
                                  Cs * Kp + 2 * Cs * Vp + Cs * Vp + Vp * Cs + Kp * 2 * Cs +
-                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 4 * Cs;
+                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 5 * Cs;
     acc_t* free = static_cast<acc_t*>(huge_scratch(scratch_size * sizeof(acc_t)));
     auto take = [&](int64_t n) { acc_t* r = free; free += n; return r; };
     std::vector<Sub> subs(nsubs);
@@ -249,7 +259,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     // dq, dk and dv rows of a sub-chunk: two sets, one filled while the other drains
     acc_t* const grad_rows = take(2 * Cs * (2 * Kp + Vp));
     acc_t *const elast = take(Cs), *const rq = take(Cs), *const tmp = take(Kp * Cs);
-    acc_t *const sgam = take(Cs), *const sums = take(3 * Cs);
+    acc_t *const sgam = take(2 * Cs), *const sums = take(3 * Cs);
     std::vector<Vec256<acc_t>> lanes_buf(3 * Cs);
     Vec256<acc_t>* const lanes = lanes_buf.data();
     acc_t* const dOc = ow;           // rows [0, Cs): go
@@ -290,8 +300,8 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
 
     // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
     // after it, states[s + 1], from states[s].
-    auto forward_sub = [&](int64_t s, int64_t t0, int64_t n, int64_t bos, int64_t h,
-                           int64_t hv) {
+    auto forward_sub = [&](int64_t s, int64_t t0, int64_t n, int64_t h, int64_t hv,
+                           bool next_state) {
       Sub& sb = subs[s];
       sb.n = n;
       const acc_t* S0 = &states[s * SP];
@@ -336,6 +346,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       }
       std::fill(sb.u + n * Vp, sb.u + Cs * Vp, acc_t(0));
       pump();
+      if (!next_state) return;
       // S1 = gam_{n-1} S0 + sum_j E[n-1][j] k_j u_j^T
       for (int64_t r = 0; r < Kp; ++r) {
         for (int64_t j = 0; j < Cs; j += L) {
@@ -372,8 +383,15 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           restart_queue();  // this chunk's q and go rows, for its backward walk
           queue_rows(in.q, t0, len, H, h, K, sizeof(in_t));
           queue_rows(grad_o, t0, len, HV, hv, V, sizeof(in_t));
+          // (the state after the chunk, for dg's phi: the next checkpoint when there is one)
           for (int64_t s = 0; s < ns; ++s) {
-            forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), bos, h, hv);
+            forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), h, hv,
+                        s + 1 < ns || c + 1 == nchunks);
+          }
+          if (c + 1 < nchunks) {
+            const acc_t* next = ck + HV * KV;
+            acc_t* S1 = &states[ns * SP];
+            for (int64_t r = 0; r < K; ++r) std::copy(next + r * V, next + (r + 1) * V, S1 + r * Vp);
           }
           restart_queue();  // the k and v rows of the chunk before, for its forward walk
           if (c > 0) {
@@ -394,7 +412,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // q rows unscaled: scale goes into the products that use them (so the q . dq of
             // dg's recursion needs no division by it).
             load_rows(in.q, s0, m, Cs, H, h, K, Kp, rq, acc_t(1), qs);
-            for (int64_t t = 0; t < Cs; ++t) sgam[t] = in.scale * sb.gam[t];
+            for (int64_t t = 0; t < Cs; ++t) sgam[t] = in.scale * sb.gam[t], sgam[Cs + t] = sb.gam[t];
             load_rows(grad_o, s0, m, Cs, HV, hv, V, Vp, no_scale, acc_t(1), dOc);
             gather_columns(qs, Cs, Kp, 2 * Cs, qkt);  // columns [0, Cs): qs^T
             for (int64_t t = 0; t < Cs; ++t) elast[t] = sb.E[(m - 1) * Cs + t];
@@ -404,7 +422,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, du, Vp, elast, false);
             gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, false);
             hadamard(CC, sb.ET, mat, mat, in.scale);
-            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, du, Vp, no_scale, true);
+            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, du, Vp, no_scale, true, Tri::kUpper);
             pump();
             std::fill(dW + m * Vp, dW + Cs * Vp, acc_t(0));
             for (int64_t t = m - 1; t >= 0; --t) {
@@ -418,20 +436,17 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gather_columns(S0, Kp, Vp, Kp, S0T);
             gather_columns(dS, Kp, Vp, Kp, dST);
             pump();
-            gemm(Cs, Cs, Vp, dOc, Vp, ut, Cs, gu, Cs, no_scale, false);
-            gemm(Cs, Cs, Vp, dW, Vp, ut, Cs, wu, Cs, no_scale, false);
-            pump();
-            gemm(Cs, Kp, Vp, dOc, Vp, S0T, Kp, dqr, Kp, sgam, false);
+            // [go; dw] u^T and [go; dw] S0^T (the latter's rows scaled by scale gam and gam)
+            gemm(2 * Cs, Cs, Vp, ow, Vp, ut, Cs, gu, Cs, no_scale, false);
+            gemm(2 * Cs, Kp, Vp, ow, Vp, S0T, Kp, dqr, Kp, sgam, false);
             hadamard(CC, sb.E, gu, mat, in.scale);
-            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, true);
-            pump();
+            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, true, Tri::kLower);
             // dk = E[n-1][t] dSn u_t + gam_t S0 dw_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
             //      + (sum_{j>t} E[j][t] (dw_j . u_t) + sum_{j<t} E[t][j] (dw_t . u_j)) k_j
-            gemm(Cs, Kp, Vp, sb.u, Vp, dST, Kp, dkr, Kp, elast, false);
-            gemm(Cs, Kp, Vp, dW, Vp, S0T, Kp, dkr, Kp, sb.gam, true);
+            gemm(Cs, Kp, Vp, sb.u, Vp, dST, Kp, dkr, Kp, elast, true);
             gather_columns(gu, Cs, Cs, Cs, mat2);
             hadamard(CC, sb.ET, mat2, mat, in.scale);
-            gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, true);
+            gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, true, Tri::kUpper);
             gather_columns(wu, Cs, Cs, Cs, mat2);
             hadamard(CC, sb.ET, mat2, mat);
             hadamard(CC, sb.E, wu, mat2);
