@@ -102,13 +102,6 @@ inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, c
   }
 }
 
-// y[0, n) += c x, n a multiple of the vector length.
-template <typename acc_t>
-inline void axpy(int64_t n, acc_t c, const acc_t* __restrict x, acc_t* __restrict y) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
-  for (int64_t i = 0; i < n; i += L) store_vec(y + i, load_vec(y + i) + c * load_vec(x + i));
-}
-
 template <typename acc_t>
 inline acc_t dot(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
   using vec = Vec256<acc_t>;
@@ -186,6 +179,23 @@ inline void load_rows(const in_t* base, int64_t tok0, int64_t n, int64_t rows, i
   }
 }
 
+// X = (I + M)^-1 for a strictly lower triangular n x n M (row-major, n a multiple of the
+// vector length): X is unit lower triangular, row i = e_i - sum_{j<i} M[i][j] X_j. The
+// sub-chunk's two triangular solves then run as one small matrix product each.
+template <typename acc_t>
+inline void unit_lower_inverse(int64_t n, const acc_t* __restrict M, acc_t* __restrict X) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  std::fill(X, X + n * n, acc_t(0));
+  for (int64_t i = 0; i < n; ++i) {
+    acc_t* xi = X + i * n;
+    xi[i] = 1;
+    for (int64_t j = 0; j < i; ++j) {
+      const acc_t c = -M[i * n + j];
+      for (int64_t d = 0; d <= j; d += L) store_vec(xi + d, load_vec(xi + d) + c * load_vec(X + j * n + d));
+    }
+  }
+}
+
 // Gradient rows waiting to be streamed out (stream_row), a few at a time between products:
 // written all at once, the sub-chunk's rows (~200 lines) wait on the few write-combining
 // buffers.
@@ -239,7 +249,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
     const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP +
                                  Cs * Kp + 2 * Cs * Vp + Cs * Vp + Vp * Cs + Kp * 2 * Cs +
-                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 5 * Cs;
+                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 5 * Cs + Cs * Vp + CC;
     acc_t* free = static_cast<acc_t*>(huge_scratch(scratch_size * sizeof(acc_t)));
     auto take = [&](int64_t n) { acc_t* r = free; free += n; return r; };
     std::vector<Sub> subs(nsubs);
@@ -259,6 +269,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     // dq, dk and dv rows of a sub-chunk: two sets, one filled while the other drains
     acc_t* const grad_rows = take(2 * Cs * (2 * Kp + Vp));
     acc_t *const elast = take(Cs), *const rq = take(Cs), *const tmp = take(Kp * Cs);
+    acc_t *const rhs = take(Cs * Vp), *const inv = take(CC);
     acc_t *const sgam = take(2 * Cs), *const sums = take(3 * Cs);
     std::vector<Vec256<acc_t>> lanes_buf(3 * Cs);
     Vec256<acc_t>* const lanes = lanes_buf.data();
@@ -326,25 +337,27 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       }
       gather_columns(sb.E, Cs, Cs, Cs, sb.ET);
       pump();
-      // vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j, u_i = b_i vw_i: the first two terms
-      // for all rows, then the solve, one finished row at a time updating the rows after it
-      // (no row waits on a chain of updates to itself).
-      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, sb.vw, Vp, sb.gam, false);
+      // vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j with u_j = b_j vw_j, i.e.
+      // (I + A diag(b)) vw = v - gam S0^T k: the right-hand side, then vw = inverse x it.
+      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, rhs, Vp, sb.gam, false);
       for (int64_t x = 0; x < Cs * Vp; x += L) {
-        store_vec(sb.vw + x, load_vec(sb.vc + x) - load_vec(sb.vw + x));
+        store_vec(rhs + x, load_vec(sb.vc + x) - load_vec(rhs + x));
       }
       pump();
       gemm(Cs, Cs, Kp, sb.kc, Kp, sb.kct, Cs, mat, Cs, no_scale, false);
       hadamard(CC, sb.E, mat, sb.A);
       for (int64_t i = 0; i < Cs; ++i) sb.A[i * Cs + i] = 0;
+      for (int64_t i = 0; i < Cs; ++i) {
+        for (int64_t j = 0; j < Cs; ++j) mat[i * Cs + j] = sb.A[i * Cs + j] * sb.b[j];
+      }
+      unit_lower_inverse(Cs, mat, inv);
       pump();
-      for (int64_t i = 0; i < n; ++i) {
+      gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, false, Tri::kLower);
+      for (int64_t i = 0; i < Cs; ++i) {
         const acc_t* r = sb.vw + i * Vp;
         acc_t* ui = sb.u + i * Vp;
         for (int64_t d = 0; d < Vp; d += L) store_vec(ui + d, sb.b[i] * load_vec(r + d));
-        for (int64_t i2 = i + 1; i2 < n; ++i2) axpy(Vp, -sb.A[i2 * Cs + i], ui, sb.vw + i2 * Vp);
       }
-      std::fill(sb.u + n * Vp, sb.u + Cs * Vp, acc_t(0));
       pump();
       if (!next_state) return;
       // S1 = gam_{n-1} S0 + sum_j E[n-1][j] k_j u_j^T
@@ -417,19 +430,21 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gather_columns(qs, Cs, Kp, 2 * Cs, qkt);  // columns [0, Cs): qs^T
             for (int64_t t = 0; t < Cs; ++t) elast[t] = sb.E[(m - 1) * Cs + t];
             pump();
-            // du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j, then the back
-            // substitution (I + A^T) with dw_j = -b_j du_j, a finished row at a time.
-            gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, du, Vp, elast, false);
+            // du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j
+            //      - sum_{j>t} A[j][t] b_j du_j,
+            // i.e. (I + diag(b) A)^T du = the first two terms: du = inverse^T x them.
+            gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, rhs, Vp, elast, false);
             gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, false);
             hadamard(CC, sb.ET, mat, mat, in.scale);
-            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, du, Vp, no_scale, true, Tri::kUpper);
+            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, rhs, Vp, no_scale, true, Tri::kUpper);
             pump();
-            std::fill(dW + m * Vp, dW + Cs * Vp, acc_t(0));
-            for (int64_t t = m - 1; t >= 0; --t) {
-              acc_t* w = dW + t * Vp;
-              for (int64_t d = 0; d < Vp; d += L) store_vec(w + d, -sb.b[t] * load_vec(&du[t * Vp + d]));
-              for (int64_t i = 0; i < t; ++i) axpy(Vp, sb.A[t * Cs + i], w, &du[i * Vp]);
+            for (int64_t i = 0; i < Cs; ++i) {
+              for (int64_t j = 0; j < Cs; ++j) mat[i * Cs + j] = sb.b[i] * sb.A[i * Cs + j];
             }
+            unit_lower_inverse(Cs, mat, mat2);
+            gather_columns(mat2, Cs, Cs, Cs, inv);
+            gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, du, Vp, no_scale, false, Tri::kUpper);
+            for (int64_t x = 0; x < Cs * Vp; x += L) store_vec(dW + x, -sb.b[x / Vp] * load_vec(du + x));
             pump();
             // dq / scale = gam S0 go + sum_{j<=t} E[t][j] (go_t . u_j) k_j
             gather_columns(sb.u, Cs, Vp, Cs, ut);
