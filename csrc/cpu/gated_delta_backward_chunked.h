@@ -7,22 +7,26 @@
 // Within a sub-chunk of n <= Cs tokens (0-based t), with a_t = exp(g_t) <= 1,
 // gam_t = a_0 ... a_t and E[i][j] = a_{j+1} ... a_i (j <= i; products only, no division,
 // so a strong decay underflows to 0 instead of overflowing), S0 the state before the
-// sub-chunk, k/q rows already l2-normalized (q also scaled: qs = scale q):
+// sub-chunk, k/q rows already l2-normalized (qs = scale q):
 //   S_i = gam_i S0 + sum_{j<=i} E[i][j] k_j u_j^T,
 //   vw_i = v_i - gam_i S0^T k_i - sum_{j<i} A[i][j] u_j,  u_i = b_i vw_i,
-//   A[i][j] = E[i][j] (k_i . k_j)  (j < i: a unit lower triangular solve, row by row).
+//   A[i][j] = E[i][j] (k_i . k_j)  (j < i; a unit lower triangular system in vw).
 // The backward, given dSn = dL/dS_{n-1} (from the sub-chunk after) and go = dL/do:
-//   (I + (b A)^T) du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j,
+//   (I + diag(b) A)^T du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j,
 //   dw = -b du, dv = b du, dbeta_t = du_t . vw_t,
 //   dq_t / scale = S_t go_t = gam_t S0 go_t + sum_{j<=t} E[t][j] (go_t . u_j) k_j,
 //   dk_t = D_t u_t + a_t S_{t-1} dw_t  (D_t = dL/dS_t incl. the output's qs_t go_t^T)
 //        = E[n-1][t] dSn u_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
-//          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
+//          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t
+//          + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
 //   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
 // and dg by the recursion of the token-by-token backward (psi, phi: see there).
-// The multiply-adds are those of that backward, ~8 per state element and token, plus
-// ~10 Cs (K or V) per token for the Cs x Cs products; but they run as register-tiled matrix
-// products (gemm below) at a far higher rate than a pass over the state per token.
+// That is 8 products of a Cs x K (or V) block with a K x V state per sub-chunk, ~8
+// multiply-adds per state element and token like the token-by-token backward, plus the
+// Cs x Cs products (~10% more in all at K = V = 64, Cs = 16); they run as register-tiled
+// matrix products (gemm below) near the FMA peak instead of one pass over the state per
+// token. Cs = 16: 8 and 32 were slower (fewer products per pass over a state; more Cs x Cs
+// work).
 #pragma once
 
 #if defined(__AVX__)
@@ -191,7 +195,9 @@ inline void unit_lower_inverse(int64_t n, const acc_t* __restrict M, acc_t* __re
     xi[i] = 1;
     for (int64_t j = 0; j < i; ++j) {
       const acc_t c = -M[i * n + j];
-      for (int64_t d = 0; d <= j; d += L) store_vec(xi + d, load_vec(xi + d) + c * load_vec(X + j * n + d));
+      for (int64_t d = 0; d <= j; d += L) {
+        store_vec(xi + d, load_vec(xi + d) + c * load_vec(X + j * n + d));
+      }
     }
   }
 }
@@ -247,9 +253,10 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     // All scratch in one per-thread block kept across calls (huge_scratch): fresh vectors
     // here cost ~150 page faults a call. Every value is written before it is read.
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
-    const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP +
-                                 Cs * Kp + 2 * Cs * Vp + Cs * Vp + Vp * Cs + Kp * 2 * Cs +
-                                 4 * CC + 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + 5 * Cs + Cs * Vp + CC;
+    const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP + Cs * Kp +
+                                 3 * Cs * Vp + Vp * Cs + 2 * Kp * Cs + 4 * CC +
+                                 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + Cs * Vp + CC +
+                                 5 * Cs;
     acc_t* free = static_cast<acc_t*>(huge_scratch(scratch_size * sizeof(acc_t)));
     auto take = [&](int64_t n) { acc_t* r = free; free += n; return r; };
     std::vector<Sub> subs(nsubs);
@@ -404,7 +411,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           if (c + 1 < nchunks) {
             const acc_t* next = ck + HV * KV;
             acc_t* S1 = &states[ns * SP];
-            for (int64_t r = 0; r < K; ++r) std::copy(next + r * V, next + (r + 1) * V, S1 + r * Vp);
+            for (int64_t r = 0; r < K; ++r) {
+              std::copy(next + r * V, next + (r + 1) * V, S1 + r * Vp);
+            }
           }
           restart_queue();  // the k and v rows of the chunk before, for its forward walk
           if (c > 0) {
@@ -425,7 +434,10 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // q rows unscaled: scale goes into the products that use them (so the q . dq of
             // dg's recursion needs no division by it).
             load_rows(in.q, s0, m, Cs, H, h, K, Kp, rq, acc_t(1), qs);
-            for (int64_t t = 0; t < Cs; ++t) sgam[t] = in.scale * sb.gam[t], sgam[Cs + t] = sb.gam[t];
+            for (int64_t t = 0; t < Cs; ++t) {
+              sgam[t] = in.scale * sb.gam[t];
+              sgam[Cs + t] = sb.gam[t];
+            }
             load_rows(grad_o, s0, m, Cs, HV, hv, V, Vp, no_scale, acc_t(1), dOc);
             gather_columns(qs, Cs, Kp, 2 * Cs, qkt);  // columns [0, Cs): qs^T
             for (int64_t t = 0; t < Cs; ++t) elast[t] = sb.E[(m - 1) * Cs + t];
@@ -444,7 +456,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             unit_lower_inverse(Cs, mat, mat2);
             gather_columns(mat2, Cs, Cs, Cs, inv);
             gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, du, Vp, no_scale, false, Tri::kUpper);
-            for (int64_t x = 0; x < Cs * Vp; x += L) store_vec(dW + x, -sb.b[x / Vp] * load_vec(du + x));
+            for (int64_t x = 0; x < Cs * Vp; x += L) {
+              store_vec(dW + x, -sb.b[x / Vp] * load_vec(du + x));
+            }
             pump();
             // dq / scale = gam S0 go + sum_{j<=t} E[t][j] (go_t . u_j) k_j
             gather_columns(sb.u, Cs, Vp, Cs, ut);
@@ -481,8 +495,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             }
             const acc_t gl = sb.gam[m - 1];
             for (int64_t x = 0; x < SP; x += L) store_vec(&dS[x], gl * load_vec(&dS[x]));
-            gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale,
-                 true);
+            gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale, true);
             pump();
             // The sub-chunk's gradients. Per-token sums first, as lane vectors reduced eight
             // tokens at a time; then dg by its recursion, last token first: with
@@ -534,7 +547,8 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                 acc_t *x = dqr + t * Kp, *xk = dkr + t * Kp;
                 for (int64_t d = 0; d < Kp; d += L) {
                   store_vec(x + d, rq[t] * (load_vec(x + d) - sums[t] * load_vec(y + d)));
-                  store_vec(xk + d, sb.rk[t] * (load_vec(xk + d) - sums[Cs + t] * load_vec(yk + d)));
+                  store_vec(xk + d,
+                            sb.rk[t] * (load_vec(xk + d) - sums[Cs + t] * load_vec(yk + d)));
                 }
               }
             }
