@@ -253,7 +253,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     // All scratch in one per-thread block kept across calls (huge_scratch): fresh vectors
     // here cost ~150 page faults a call. Every value is written before it is read.
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
-    const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 3 * SP + Cs * Kp +
+    const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 2 * SP + 2 * Cs * Kp +
                                  3 * Cs * Vp + Vp * Cs + 2 * Kp * Cs + 4 * CC +
                                  2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + Cs * Vp + CC +
                                  5 * Cs;
@@ -268,7 +268,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     }
     acc_t* const states = take((nsubs + 1) * SP);
     // Backward scratch of one sub-chunk.
-    acc_t *const dS = take(SP), *const S0T = take(SP), *const dST = take(SP);
+    acc_t *const dS = take(SP), *const S0T = take(SP), *const dsu = take(Cs * Kp);
     acc_t *const qs = take(Cs * Kp), *const ow = take(2 * Cs * Vp), *const du = take(Cs * Vp);
     acc_t *const ut = take(Vp * Cs), *const qkt = take(Kp * 2 * Cs);
     acc_t *const mat = take(CC), *const mat2 = take(CC), *const gu = take(CC),
@@ -306,6 +306,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     };
     RowDrain<acc_t> drain;
     int64_t step = 0;  // backward steps so far: picks the set of gradient rows
+    acc_t psi_next = 0;
     auto pump = [&] {
       for (int64_t i = 0; i < kPumpLines && pf_next < pf_rows.size(); ++i) {
         __builtin_prefetch(pf_rows[pf_next].first + pf_byte);
@@ -355,7 +356,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       hadamard(CC, sb.E, mat, sb.A);
       for (int64_t i = 0; i < Cs; ++i) sb.A[i * Cs + i] = 0;
       for (int64_t i = 0; i < Cs; ++i) {
-        for (int64_t j = 0; j < Cs; ++j) mat[i * Cs + j] = sb.A[i * Cs + j] * sb.b[j];
+        for (int64_t j = 0; j < Cs; j += L) {
+          store_vec(mat + i * Cs + j, load_vec(sb.A + i * Cs + j) * load_vec(sb.b + j));
+        }
       }
       unit_lower_inverse(Cs, mat, inv);
       pump();
@@ -428,7 +431,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             acc_t* const dvr = dkr + Cs * Kp;
             const acc_t *S0 = &states[s * SP], *S1 = &states[(s + 1) * SP];
             // phi = <dSn, S_{n-1}> for dg's recursion
-            const acc_t phi = dot(SP, dS, S1);
+            // (exact at a chunk's end; within the chunk the recursion's value at the first
+            // token of the sub-chunk after, so rounding builds up over <= C tokens only)
+            const acc_t phi = s + 1 == ns ? dot(SP, dS, S1) : psi_next;
             pump();
             rstd_rows(in.q, s0, m, h, rq);
             // q rows unscaled: scale goes into the products that use them (so the q . dq of
@@ -451,7 +456,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, rhs, Vp, no_scale, true, Tri::kUpper);
             pump();
             for (int64_t i = 0; i < Cs; ++i) {
-              for (int64_t j = 0; j < Cs; ++j) mat[i * Cs + j] = sb.b[i] * sb.A[i * Cs + j];
+              for (int64_t j = 0; j < Cs; j += L) {
+                store_vec(mat + i * Cs + j, sb.b[i] * load_vec(sb.A + i * Cs + j));
+              }
             }
             unit_lower_inverse(Cs, mat, mat2);
             gather_columns(mat2, Cs, Cs, Cs, inv);
@@ -463,7 +470,6 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // dq / scale = gam S0 go + sum_{j<=t} E[t][j] (go_t . u_j) k_j
             gather_columns(sb.u, Cs, Vp, Cs, ut);
             gather_columns(S0, Kp, Vp, Kp, S0T);
-            gather_columns(dS, Kp, Vp, Kp, dST);
             pump();
             // [go; dw] u^T and [go; dw] S0^T (the latter's rows scaled by scale gam and gam)
             gemm(2 * Cs, Cs, Vp, ow, Vp, ut, Cs, gu, Cs, no_scale, false);
@@ -472,7 +478,16 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, true, Tri::kLower);
             // dk = E[n-1][t] dSn u_t + gam_t S0 dw_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
             //      + (sum_{j>t} E[j][t] (dw_j . u_t) + sum_{j<t} E[t][j] (dw_t . u_j)) k_j
-            gemm(Cs, Kp, Vp, sb.u, Vp, dST, Kp, dkr, Kp, elast, true);
+            // (dSn u_t as the Kp x Cs product dSn u^T transposed: a quarter of the values
+            // to transpose that dSn^T would need)
+            gemm(Kp, Cs, Vp, dS, Vp, ut, Cs, tmp, Cs, no_scale, false);
+            gather_columns(tmp, Kp, Cs, Kp, dsu);
+            for (int64_t t = 0; t < Cs; ++t) {
+              for (int64_t d = 0; d < Kp; d += L) {
+                store_vec(dkr + t * Kp + d,
+                          load_vec(dkr + t * Kp + d) + elast[t] * load_vec(dsu + t * Kp + d));
+              }
+            }
             gather_columns(gu, Cs, Cs, Cs, mat2);
             hadamard(CC, sb.ET, mat2, mat, in.scale);
             gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, true, Tri::kUpper);
@@ -513,6 +528,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
               dg[(s0 + t) * HV + hv] = psi;
               dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
             }
+            psi_next = psi;
             drain.flush();  // the rows of the step before (the other set)
             for (int64_t t = 0; t < m; ++t) {
               acc_t* dv_row = dv + ((s0 + t) * HV + hv) * V;
