@@ -185,20 +185,29 @@ inline void load_rows(const in_t* base, int64_t tok0, int64_t n, int64_t rows, i
 
 // X = (I + M)^-1 for a strictly lower triangular n x n M (row-major, n a multiple of the
 // vector length): X is unit lower triangular, row i = e_i - sum_{j<i} M[i][j] X_j. The
-// sub-chunk's two triangular solves then run as one small matrix product each.
-template <typename acc_t>
-inline void unit_lower_inverse(int64_t n, const acc_t* __restrict M, acc_t* __restrict X) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
-  std::fill(X, X + n * n, acc_t(0));
+// sub-chunk's two triangular solves then run as one small matrix product each. Row i is
+// summed in registers, in two chains (even and odd j): through memory, each term would wait
+// on the store of the one before.
+template <int64_t n, typename acc_t>
+inline void unit_lower_inverse(const acc_t* __restrict M, acc_t* __restrict X) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t), NV = n / L;
   for (int64_t i = 0; i < n; ++i) {
-    acc_t* xi = X + i * n;
-    xi[i] = 1;
-    for (int64_t j = 0; j < i; ++j) {
-      const acc_t c = -M[i * n + j];
-      for (int64_t d = 0; d <= j; d += L) {
-        store_vec(xi + d, load_vec(xi + d) + c * load_vec(X + j * n + d));
+    vec x0[NV] = {}, x1[NV] = {};
+    x0[i / L][i % L] = 1;
+    int64_t j = 0;
+    for (; j + 1 < i; j += 2) {
+      const acc_t c0 = -M[i * n + j], c1 = -M[i * n + j + 1];
+      for (int64_t v = 0; v < NV; ++v) {
+        x0[v] += c0 * load_vec(X + j * n + v * L);
+        x1[v] += c1 * load_vec(X + (j + 1) * n + v * L);
       }
     }
+    if (j < i) {
+      const acc_t c0 = -M[i * n + j];
+      for (int64_t v = 0; v < NV; ++v) x0[v] += c0 * load_vec(X + j * n + v * L);
+    }
+    for (int64_t v = 0; v < NV; ++v) store_vec(X + i * n + v * L, x0[v] + x1[v]);
   }
 }
 
@@ -267,6 +276,15 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       sb.gam = take(Cs), sb.b = take(Cs), sb.rk = take(Cs);
     }
     acc_t* const states = take((nsubs + 1) * SP);
+    // The states before the sub-chunks and after the last: a checkpoint is read in place
+    // when it needs no padding (K, V multiples of the vector length), else copied padded.
+    std::vector<const acc_t*> state(nsubs + 1);
+    auto padded_state = [&](const acc_t* src, acc_t* dst) -> const acc_t* {
+      if (K == Kp && V == Vp) return src;
+      std::fill(dst, dst + SP, acc_t(0));
+      for (int64_t r = 0; r < K; ++r) std::copy(src + r * V, src + (r + 1) * V, dst + r * Vp);
+      return dst;
+    };
     // Backward scratch of one sub-chunk.
     acc_t *const dS = take(SP), *const S0T = take(SP), *const dsu = take(Cs * Kp);
     acc_t *const qs = take(Cs * Kp), *const ow = take(2 * Cs * Vp), *const du = take(Cs * Vp);
@@ -318,13 +336,14 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     auto restart_queue = [&] { pf_rows.clear(), pf_next = 0, pf_byte = 0; };
 
     // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
-    // after it, states[s + 1], from states[s].
+    // after it, state[s + 1] (in states), from state[s].
     auto forward_sub = [&](int64_t s, int64_t t0, int64_t n, int64_t h, int64_t hv,
                            bool next_state) {
       Sub& sb = subs[s];
       sb.n = n;
-      const acc_t* S0 = &states[s * SP];
+      const acc_t* S0 = state[s];
       acc_t* S1 = &states[(s + 1) * SP];
+      state[s + 1] = S1;
       rstd_rows(in.k, t0, n, h, sb.rk);
       load_rows(in.k, t0, n, Cs, H, h, K, Kp, sb.rk, acc_t(1), sb.kc);
       load_rows(in.v, t0, n, Cs, HV, hv, V, Vp, no_scale, acc_t(1), sb.vc);
@@ -360,7 +379,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           store_vec(mat + i * Cs + j, load_vec(sb.A + i * Cs + j) * load_vec(sb.b + j));
         }
       }
-      unit_lower_inverse(Cs, mat, inv);
+      unit_lower_inverse<Cs>(mat, inv);
       pump();
       gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, false, Tri::kLower);
       for (int64_t i = 0; i < Cs; ++i) {
@@ -401,8 +420,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           const int64_t t0 = bos + c * C, len = std::min(C, eos - t0);
           const int64_t ns = gdn_num_chunks(len, Cs);
           const acc_t* ck = ckpt + ((base + c) * HV + hv) * KV;
-          std::fill(states, states + SP, acc_t(0));
-          for (int64_t r = 0; r < K; ++r) std::copy(ck + r * V, ck + (r + 1) * V, &states[r * Vp]);
+          state[0] = padded_state(ck, states);
           restart_queue();  // this chunk's q and go rows, for its backward walk
           queue_rows(in.q, t0, len, H, h, K, sizeof(in_t));
           queue_rows(grad_o, t0, len, HV, hv, V, sizeof(in_t));
@@ -411,13 +429,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), h, hv,
                         s + 1 < ns || c + 1 == nchunks);
           }
-          if (c + 1 < nchunks) {
-            const acc_t* next = ck + HV * KV;
-            acc_t* S1 = &states[ns * SP];
-            for (int64_t r = 0; r < K; ++r) {
-              std::copy(next + r * V, next + (r + 1) * V, S1 + r * Vp);
-            }
-          }
+          if (c + 1 < nchunks) state[ns] = padded_state(ck + HV * KV, &states[ns * SP]);
           restart_queue();  // the k and v rows of the chunk before, for its forward walk
           if (c > 0) {
             queue_rows(in.k, t0 - C, C, H, h, K, sizeof(in_t));
@@ -429,7 +441,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             acc_t* const dqr = grad_rows + (step++ % 2) * Cs * (2 * Kp + Vp);
             acc_t* const dkr = dqr + Cs * Kp;
             acc_t* const dvr = dkr + Cs * Kp;
-            const acc_t *S0 = &states[s * SP], *S1 = &states[(s + 1) * SP];
+            const acc_t *S0 = state[s], *S1 = state[s + 1];
             // phi = <dSn, S_{n-1}> for dg's recursion
             // (exact at a chunk's end; within the chunk the recursion's value at the first
             // token of the sub-chunk after, so rounding builds up over <= C tokens only)
@@ -460,7 +472,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                 store_vec(mat + i * Cs + j, sb.b[i] * load_vec(sb.A + i * Cs + j));
               }
             }
-            unit_lower_inverse(Cs, mat, mat2);
+            unit_lower_inverse<Cs>(mat, mat2);
             gather_columns(mat2, Cs, Cs, Cs, inv);
             gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, du, Vp, no_scale, false, Tri::kUpper);
             for (int64_t x = 0; x < Cs * Vp; x += L) {
