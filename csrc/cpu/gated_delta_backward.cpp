@@ -337,6 +337,21 @@ inline void* huge_scratch(size_t bytes) {
   return buf.p;
 }
 
+// A backward task: one sequence n and q/k head h (its value heads run in order and sum into
+// the same dq/dk rows, so no two threads write the same gradient), with the sequence's
+// tokens [bos, eos), first checkpoint slot and number of chunks.
+struct BackwardTask {
+  int64_t h, n, bos, eos, base, nchunks;
+};
+inline BackwardTask backward_task(const GdnProblem& p, const int64_t* cu, int64_t task) {
+  BackwardTask t;
+  t.h = task % p.num_qk_heads, t.n = task / p.num_qk_heads;
+  gdn_sequence_bounds(p, cu, t.n, &t.bos, &t.eos);
+  t.base = gdn_checkpoint_base(t.n, t.bos, p.chunk);
+  t.nchunks = gdn_num_chunks(t.eos - t.bos, p.chunk);
+  return t;
+}
+
 template <typename in_t, typename acc_t>
 void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                      const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,
@@ -524,11 +539,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
       }
     };
     for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {
-      const int64_t h = task % H, n = task / H;
-      int64_t bos, eos;
-      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
-      const int64_t base = gdn_checkpoint_base(n, bos, C);
-      const int64_t nchunks = gdn_num_chunks(eos - bos, C);
+      const BackwardTask tk = backward_task(p, in.cu, task);
+      const int64_t h = tk.h, n = tk.n, bos = tk.bos, eos = tk.eos;
+      const int64_t base = tk.base, nchunks = tk.nchunks;
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
         const bool last_head = hv == (h + 1) * G - 1;

@@ -106,20 +106,6 @@ inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, c
   }
 }
 
-template <typename acc_t>
-inline acc_t dot(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
-  using vec = Vec256<acc_t>;
-  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  vec s0 = {}, s1 = {};
-  int64_t i = 0;
-  for (; i + 2 * L <= n; i += 2 * L) {
-    s0 += load_vec(x + i) * load_vec(y + i);
-    s1 += load_vec(x + i + L) * load_vec(y + i + L);
-  }
-  if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
-  return hsum<acc_t>(s0 + s1);
-}
-
 // out[0, n) = c x y elementwise, n a multiple of the vector length.
 template <typename acc_t>
 inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_t c = 1) {
@@ -162,6 +148,11 @@ inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t
   }
   if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
   return s0 + s1;
+}
+
+template <typename acc_t>
+inline acc_t dot(int64_t n, const acc_t* x, const acc_t* y) {
+  return hsum<acc_t>(dot_lanes(n, x, y));
 }
 
 // Loads n rows (tok0.., head) of a [tokens, heads, dim] input into a zero-padded [Cs, ld]
@@ -403,11 +394,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     };
 
     for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) {
-      const int64_t h = task % H, n = task / H;
-      int64_t bos, eos;
-      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
-      const int64_t base = gdn_checkpoint_base(n, bos, C);
-      const int64_t nchunks = gdn_num_chunks(eos - bos, C);
+      const BackwardTask tk = backward_task(p, in.cu, task);
+      const int64_t h = tk.h, n = tk.n, bos = tk.bos, eos = tk.eos;
+      const int64_t base = tk.base, nchunks = tk.nchunks;
       for (int64_t hv = h * G; hv < (h + 1) * G; ++hv) {
         const bool first_head = hv == h * G;  // assigns dq/dk rather than adding to them
         const bool last_head = hv == (h + 1) * G - 1;
