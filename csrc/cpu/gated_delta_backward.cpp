@@ -753,6 +753,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
 }  // namespace
 }  // namespace rlx
 
+// The chunked backward, here because it uses the helpers above (gather_columns, put_row,
+// huge_scratch).
 #include "gated_delta_backward_chunked.h"
 
 namespace rlx {
