@@ -202,6 +202,33 @@ inline void unit_lower_inverse(const acc_t* __restrict M, acc_t* __restrict X) {
   }
 }
 
+// Rows of [tokens, heads, dim] inputs to prefetch, a few lines at a time. The input rows a
+// walk reads lie a KiB or more apart, and the chunks run backwards: the hardware does not
+// prefetch them, and a burst of prefetches for a whole sub-chunk stalls on the few
+// line-fill buffers. So while one walk runs, the rows the next one reads are queued (the
+// forward walk of a chunk queues its q and go rows, the backward walk the k and v rows of
+// the chunk before) and fetched between products.
+struct RowQueue {
+  std::vector<std::pair<const char*, int64_t>> rows;  // (row, bytes)
+  size_t next = 0;
+  int64_t byte = 0;
+  void restart() { rows.clear(), next = 0, byte = 0; }
+  void add(const void* base, int64_t t0, int64_t n, int64_t heads, int64_t head, int64_t dim,
+           int64_t elem) {
+    const char* c = static_cast<const char*>(base);
+    for (int64_t tok = t0; tok < t0 + n; ++tok) {
+      rows.emplace_back(c + ((tok * heads + head) * dim) * elem, dim * elem);
+    }
+  }
+  void fetch(int64_t lines) {
+    for (; lines > 0 && next < rows.size(); --lines) {
+      __builtin_prefetch(rows[next].first + byte);
+      byte += 64;
+      if (byte >= rows[next].second) ++next, byte = 0;
+    }
+  }
+};
+
 // Gradient rows waiting to be streamed out (stream_row), a few at a time between products:
 // written all at once, the sub-chunk's rows (~200 lines) wait on the few write-combining
 // buffers.
@@ -298,33 +325,14 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
         std::fill(out, out + n, acc_t(1));
       }
     };
-    // The input rows a walk reads lie a KiB or more apart, and the chunks run backwards: the
-    // hardware does not prefetch them, and a burst of prefetches for a whole sub-chunk stalls
-    // on the few line-fill buffers. So while one walk runs, the rows the next one reads are
-    // queued (the forward walk of a chunk queues its q and go rows, the backward walk the
-    // k and v rows of the chunk before) and fetched a few lines at a time between products.
-    std::vector<std::pair<const char*, int64_t>> pf_rows;  // (row, bytes)
-    size_t pf_next = 0;
-    int64_t pf_byte = 0;
-    auto queue_rows = [&](const void* base, int64_t t0, int64_t n, int64_t heads, int64_t head,
-                          int64_t dim, int64_t elem) {
-      const char* c = static_cast<const char*>(base);
-      for (int64_t tok = t0; tok < t0 + n; ++tok) {
-        pf_rows.emplace_back(c + ((tok * heads + head) * dim) * elem, dim * elem);
-      }
-    };
+    RowQueue ahead;  // input rows of the next walk, fetched by pump() between products
     RowDrain<acc_t> drain;
     int64_t step = 0;  // backward steps so far: picks the set of gradient rows
     acc_t psi_next = 0;
     auto pump = [&] {
-      for (int64_t i = 0; i < kPumpLines && pf_next < pf_rows.size(); ++i) {
-        __builtin_prefetch(pf_rows[pf_next].first + pf_byte);
-        pf_byte += 64;
-        if (pf_byte >= pf_rows[pf_next].second) ++pf_next, pf_byte = 0;
-      }
+      ahead.fetch(kPumpLines);
       drain.drain(kDrainRows);
     };
-    auto restart_queue = [&] { pf_rows.clear(), pf_next = 0, pf_byte = 0; };
 
     // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
     // after it, state[s + 1] (in states), from state[s].
@@ -410,19 +418,19 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           const int64_t ns = gdn_num_chunks(len, Cs);
           const acc_t* ck = ckpt + ((base + c) * HV + hv) * KV;
           state[0] = padded_state(ck, states);
-          restart_queue();  // this chunk's q and go rows, for its backward walk
-          queue_rows(in.q, t0, len, H, h, K, sizeof(in_t));
-          queue_rows(grad_o, t0, len, HV, hv, V, sizeof(in_t));
+          ahead.restart();  // this chunk's q and go rows, for its backward walk
+          ahead.add(in.q, t0, len, H, h, K, sizeof(in_t));
+          ahead.add(grad_o, t0, len, HV, hv, V, sizeof(in_t));
           // (the state after the chunk, for dg's phi: the next checkpoint when there is one)
           for (int64_t s = 0; s < ns; ++s) {
             forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), h, hv,
                         s + 1 < ns || c + 1 == nchunks);
           }
           if (c + 1 < nchunks) state[ns] = padded_state(ck + HV * KV, &states[ns * SP]);
-          restart_queue();  // the k and v rows of the chunk before, for its forward walk
+          ahead.restart();  // the k and v rows of the chunk before, for its forward walk
           if (c > 0) {
-            queue_rows(in.k, t0 - C, C, H, h, K, sizeof(in_t));
-            queue_rows(in.v, t0 - C, C, HV, hv, V, sizeof(in_t));
+            ahead.add(in.k, t0 - C, C, H, h, K, sizeof(in_t));
+            ahead.add(in.v, t0 - C, C, HV, hv, V, sizeof(in_t));
           }
           for (int64_t s = ns - 1; s >= 0; --s) {
             const Sub& sb = subs[s];
