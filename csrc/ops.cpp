@@ -24,18 +24,21 @@ TORCH_LIBRARY(rlx, m) {
 
   // ---- gated delta rule (csrc/cpu/gated_delta_{forward,backward}.cpp, gated_delta.cpp) ----
   // Contract (shapes, dtypes, checkpoints): rlx_torch/ops/gated_delta.py; packed layouts:
-  // csrc/include/rlx/gdn_backward_layout.h. Returns (o, final_state, checkpoints).
+  // csrc/include/rlx/gdn_backward_layout.h. Returns (o, final_state, checkpoints, vw), vw the
+  // per-token v - S^T k that the CPU backward would otherwise recompute (empty when not kept).
   // l2norm_eps: q and k are L2-normalized over K inside the op (fla's use_qk_l2norm_in_kernel);
   // the backward then returns the gradients of the raw q and k.
   m.def(
       "gated_delta_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale,"
       " Tensor? initial_state, Tensor? cu_seqlens, int chunk_size=64, float? l2norm_eps=None)"
-      " -> (Tensor, Tensor, Tensor)");
+      " -> (Tensor, Tensor, Tensor, Tensor)");
   // Returns the packed gradient buffer (GdnBackwardLayout): dq, dk, dv, dg, dbeta, dstate.
+  // vw: the forward's fourth output (None or empty: recomputed).
   m.def(
       "gated_delta_bwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, float scale,"
       " Tensor? initial_state, Tensor? cu_seqlens, Tensor checkpoints, Tensor grad_o,"
-      " Tensor? grad_final_state, int chunk_size=64, float? l2norm_eps=None) -> Tensor");
+      " Tensor? grad_final_state, int chunk_size=64, float? l2norm_eps=None,"
+      " Tensor? vw=None) -> Tensor");
   m.def(
       "gated_delta_bwd_layout(int batch, int seq_len, int num_qk_heads, int num_v_heads,"
       " int head_k_dim, int head_v_dim, int num_states, bool gate_per_channel,"

@@ -179,14 +179,15 @@ def test_l2norm_in_kernel_op_equals_composition():
                          dtype=torch.float64)
     q, k, v, g, beta, h0 = (inputs[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     ops = torch.ops.rlx
-    o, ht, ckpt = ops.gated_delta_fwd(q, k, v, g, beta, 0.4, h0, None, 8, 1e-6)
+    o, ht, ckpt, vw = ops.gated_delta_fwd(q, k, v, g, beta, 0.4, h0, None, 8, 1e-6)
     qn, q_rstd = ops.gated_delta_l2norm_fwd(q, 1e-6)
     kn, k_rstd = ops.gated_delta_l2norm_fwd(k, 1e-6)
-    o2, ht2, ckpt2 = ops.gated_delta_fwd(qn, kn, v, g, beta, 0.4, h0, None, 8)
-    for a, b in ((o, o2), (ht, ht2), (ckpt, ckpt2)):
+    o2, ht2, ckpt2, vw2 = ops.gated_delta_fwd(qn, kn, v, g, beta, 0.4, h0, None, 8)
+    for a, b in ((o, o2), (ht, ht2), (ckpt, ckpt2), (vw, vw2)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     go, gh = torch.randn_like(o), torch.randn_like(ht)
-    packed = ops.gated_delta_bwd(q, k, v, g, beta, 0.4, h0, None, ckpt, go, gh, 8, 1e-6)
+    # (the first reads the forward's vw, the second recomputes it)
+    packed = ops.gated_delta_bwd(q, k, v, g, beta, 0.4, h0, None, ckpt, go, gh, 8, 1e-6, vw)
     packed2 = ops.gated_delta_bwd(qn, kn, v, g, beta, 0.4, h0, None, ckpt2, go, gh, 8)
     grads = unpack_gradients(packed, q, v, g, h0, None)
     grads2 = list(unpack_gradients(packed2, q, v, g, h0, None))
@@ -203,7 +204,7 @@ def test_bad_l2norm_eps_raises(eps):
     args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta")) + (0.5, None, None, 4)
     with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number >= 0"):
         torch.ops.rlx.gated_delta_fwd(*args, eps)
-    o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
+    o, ht, ckpt, _ = torch.ops.rlx.gated_delta_fwd(*args)
     with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number >= 0"):
         torch.ops.rlx.gated_delta_bwd(*args[:8], ckpt, o, None, 4, eps)
 
@@ -379,9 +380,9 @@ def test_inference_keeps_no_checkpoints():
     inputs = make_inputs(B=2, T=70, state=True, per_channel=True)
     args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 0.3,
             inputs["initial_state"], None)
-    o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args, 0)
-    o64, ht64, ckpt64 = torch.ops.rlx.gated_delta_fwd(*args, 64)
-    assert ckpt.shape[0] == 0 and ckpt64.shape[0] > 0
+    o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*args, 0)
+    o64, ht64, ckpt64, _ = torch.ops.rlx.gated_delta_fwd(*args, 64)
+    assert ckpt.shape[0] == 0 and ckpt64.shape[0] > 0 and vw.numel() == 0
     assert torch.equal(o, o64) and torch.equal(ht, ht64)
     torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args + (0,))
     with torch.no_grad():  # the public function takes this path on its own
@@ -469,6 +470,61 @@ def test_chunked_and_token_by_token_backward_agree(variant, dtype, monkeypatch):
         assert rel_rms(results["chunked"][name], results["token"][name]) < TOL[dtype], name
 
 
+def reference_vw(inputs, scale_eps):
+    """vw_t = v_t - (exp(g_t) S_{t-1})^T k_t per token and value head, float64 recurrence
+    (one gate per head; k L2-normalized first when scale_eps is not None)."""
+    k, v, g, beta = (inputs[n].double() for n in ("k", "v", "g", "beta"))
+    if scale_eps is not None:
+        k = k * (k.pow(2).sum(-1, keepdim=True) + scale_eps).rsqrt()
+    B, T, H, K = k.shape
+    HV, V = v.shape[2], v.shape[3]
+    cu = inputs["cu_seqlens"]
+    bounds = [(b, 0, T) for b in range(B)] if cu is None else [
+        (0, int(cu[n]), int(cu[n + 1])) for n in range(len(cu) - 1)]
+    h0 = inputs["initial_state"]
+    vw = torch.zeros(B, T, HV, V, dtype=torch.float64)
+    for n, (b, bos, eos) in enumerate(bounds):
+        for hv in range(HV):
+            S = h0[n, hv].double().clone() if h0 is not None else torch.zeros(K, V).double()
+            for t in range(bos, eos):
+                kt = k[b, t, hv // (HV // H)]
+                S = S * g[b, t, hv].exp()
+                vw[b, t, hv] = v[b, t, hv] - S.T @ kt
+                S = S + torch.outer(kt, beta[b, t, hv] * vw[b, t, hv])
+    return vw
+
+
+@pytest.mark.parametrize("variant", ["per_head", "gva", "k_ne_v", "state", "varlen", "l2norm"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_backward_reads_or_recomputes_vw_alike(variant, dtype):
+    # With one gate per head the forward keeps vw = v - P^T k per token (its fourth output)
+    # and the chunked backward reads it; given None, the backward solves for it per sub-chunk
+    # instead. vw matches the reference recurrence, and both backward paths agree.
+    kw = dict(VARIANTS[variant])
+    eps = 1e-6 if kw.pop("use_qk_l2norm", False) else None
+    kw.setdefault("T", 150)
+    if "cu_seqlens" in kw:
+        kw["cu_seqlens"] = [0, 20, 20, 97, 150]
+    inputs = make_inputs(dtype=dtype, **kw)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    args = tuple(inputs[n] for n in ("q", "k", "v", "g", "beta")) + (
+        0.3, inputs["initial_state"], inputs["cu_seqlens"])
+    o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*args, 48, eps)
+    assert vw.shape == inputs["v"].shape and vw.dtype == acc
+    tol = TOL[acc]
+    assert rel_rms(vw, reference_vw(inputs, eps)) < tol
+    go, gh = torch.randn_like(o), torch.randn_like(ht)
+    saved = torch.ops.rlx.gated_delta_bwd(*args, ckpt, go, gh, 48, eps, vw)
+    recomputed = torch.ops.rlx.gated_delta_bwd(*args, ckpt, go, gh, 48, eps, None)
+    assert rel_rms(saved, recomputed) < tol
+    empty = torch.ops.rlx.gated_delta_bwd(*args, ckpt, go, gh, 48, eps, vw[:0])
+    assert torch.equal(empty, recomputed)  # empty means "not kept": recomputed
+    with pytest.raises(RuntimeError, match="vw must be the"):
+        torch.ops.rlx.gated_delta_bwd(*args, ckpt, go, gh, 48, eps, vw[:, 1:])
+    with pytest.raises(RuntimeError, match="vw must be the"):
+        torch.ops.rlx.gated_delta_bwd(*args, ckpt, go, gh, 48, eps, vw.half())
+
+
 @pytest.mark.parametrize("per_channel,state", [(False, False), (True, False), (False, True)])
 def test_backward_layout_tiles_buffer(per_channel, state):
     B, T, H, HV, K, V, N = 2, 9, 2, 6, 5, 7, 2
@@ -499,8 +555,8 @@ def test_opcheck_ops():
         args = (inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], 0.5,
                 inputs["initial_state"], inputs["cu_seqlens"], 4, eps)
         torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args)
-        o, ht, ckpt = torch.ops.rlx.gated_delta_fwd(*args)
-        bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4, eps)
+        o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*args)  # (vw empty: per-channel gate)
+        bwd_args = args[:8] + (ckpt, torch.randn_like(o), torch.randn_like(ht), 4, eps, vw)
         torch.library.opcheck(torch.ops.rlx.gated_delta_bwd.default, bwd_args)
 
 

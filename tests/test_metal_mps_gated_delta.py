@@ -24,8 +24,9 @@ def to_mps(t):
 
 def run_forward(p, device):
     d = (lambda t: t) if device == "cpu" else to_mps
-    o, final, ckpt = torch.ops.rlx.gated_delta_fwd(d(p.q), d(p.k), d(p.v), d(p.g), d(p.beta),
-                                                   p.scale, d(p.h0), d(p.cu), p.chunk)
+    o, final, ckpt, _ = torch.ops.rlx.gated_delta_fwd(d(p.q), d(p.k), d(p.v), d(p.g),
+                                                      d(p.beta), p.scale, d(p.h0), d(p.cu),
+                                                      p.chunk)
     return o.cpu(), final.cpu(), ckpt.cpu()
 
 
@@ -105,11 +106,11 @@ def test_non_contiguous_inputs_and_cpu_cu_seqlens():
     q = p.q.to("mps").transpose(2, 3).contiguous().transpose(2, 3)  # strided view
     v = torch.cat([p.v, p.v], dim=-1).to("mps")[..., ::2]  # every other channel: a view
     v_cpu = torch.cat([p.v, p.v], dim=-1)[..., ::2]
-    o, final, _ = torch.ops.rlx.gated_delta_fwd(q, p.k.to("mps"), v, p.g.to("mps"),
-                                                p.beta.to("mps"), p.scale, None, p.cu,
-                                                p.chunk)
-    o_ref, final_ref, _ = torch.ops.rlx.gated_delta_fwd(p.q, p.k, v_cpu, p.g, p.beta,
-                                                        p.scale, None, p.cu, p.chunk)
+    o, final, _, _ = torch.ops.rlx.gated_delta_fwd(q, p.k.to("mps"), v, p.g.to("mps"),
+                                                   p.beta.to("mps"), p.scale, None, p.cu,
+                                                   p.chunk)
+    o_ref, final_ref, _, _ = torch.ops.rlx.gated_delta_fwd(p.q, p.k, v_cpu, p.g, p.beta,
+                                                           p.scale, None, p.cu, p.chunk)
     assert_close(o.cpu(), o_ref, 1e-4, "o")
     assert_close(final.cpu(), final_ref, 1e-4, "final_state")
 
@@ -119,7 +120,7 @@ def test_opcheck():
     args = [to_mps(t) for t in (p.q, p.k, p.v, p.g, p.beta)]
     torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default,
                           (*args, p.scale, to_mps(p.h0), None, p.chunk))
-    _, final, ckpt = torch.ops.rlx.gated_delta_fwd(*args, p.scale, to_mps(p.h0), None, p.chunk)
+    _, final, ckpt, _ = torch.ops.rlx.gated_delta_fwd(*args, p.scale, to_mps(p.h0), None, p.chunk)
     torch.library.opcheck(torch.ops.rlx.gated_delta_bwd.default,
                           (*args, p.scale, to_mps(p.h0), None, ckpt, torch.randn_like(args[2]),
                            torch.randn_like(final), p.chunk))
@@ -131,8 +132,12 @@ def test_bad_inputs_raise_errors_naming_the_argument():
     with pytest.raises(RuntimeError, match="g and beta must be"):
         torch.ops.rlx.gated_delta_fwd(q, q, q, g16, g16, 1.0, None, None, 64)
     g = torch.zeros(1, 4, 1, device="mps")
-    o, final, ckpt = torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64)
+    o, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64)
     with pytest.raises(RuntimeError, match="checkpoints must be"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt[:0], o, None, 64)
     with pytest.raises(RuntimeError, match="checkpoints must be on the MPS device"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt.cpu(), o, None, 64)
+    assert vw.numel() == 0  # the MPS forward keeps no vw; its backward takes none
+    with pytest.raises(RuntimeError, match="vw must be None or empty on MPS"):
+        torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt, o, None, 64, None,
+                                      torch.zeros_like(q))

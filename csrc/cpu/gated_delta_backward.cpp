@@ -781,7 +781,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const std::optional<at::Tensor>& cu_seqlens,
                                const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
                                const std::optional<at::Tensor>& grad_final_state,
-                               int64_t chunk_size, std::optional<double> l2norm_eps) {
+                               int64_t chunk_size, std::optional<double> l2norm_eps,
+                               const std::optional<at::Tensor>& vw_in) {
   const char* op = "rlx::gated_delta_bwd";
   check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
@@ -806,9 +807,18 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                 op, ": grad_final_state must be ", p.acc_dtype, " [", p.num_seqs, ", ", HV, ", ",
                 K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
   }
+  // vw as the forward returned it: [B, T, HV, V] in acc, or empty (not kept: recomputed).
+  const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;
+  if (has_vw) {
+    TORCH_CHECK(vw_in->sizes() == v_in.sizes() && vw_in->scalar_type() == p.acc_dtype, op,
+                ": vw must be the ", p.acc_dtype, " ", v_in.sizes(),
+                " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
+                vw_in->scalar_type(), " ", vw_in->sizes());
+  }
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
+  const at::Tensor vw = has_vw ? vw_in->contiguous() : at::Tensor();
   const auto grad_ht = contiguous_opt(grad_final_state);
   const auto cu = contiguous_opt(cu_seqlens);
   const GdnBackwardLayout lay = GdnBackwardLayout::make(
@@ -824,6 +834,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
     if (use_chunked_backward<acc_t>(p, g)) {
       chunked_backward_kernel<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
+                                               has_vw ? vw.data_ptr<acc_t>() : nullptr,
                                                grad_o.data_ptr<scalar_t>(), gh, lay,
                                                buf.data_ptr<acc_t>());
     } else {

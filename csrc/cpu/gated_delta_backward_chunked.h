@@ -21,17 +21,14 @@
 //          + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
 //   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
 // and dg by the recursion of the token-by-token backward (psi, phi: see there).
-// That is 8 products of a Cs x K (or V) block with a K x V state per sub-chunk, ~8
-// multiply-adds per state element and token like the token-by-token backward, plus the
-// Cs x Cs products (~10% more in all at K = V = 64, Cs = 16); they run as register-tiled
+// vw comes from the forward when it kept it (gdn_keeps_vw; else solve_vw below).
+// That is 7 products of a Cs x K (or V) block with a K x V state per sub-chunk (8 when vw is
+// solved for), ~7 multiply-adds per state element and token where the token-by-token
+// backward does ~8, plus the Cs x Cs products; they run as register-tiled
 // matrix products (gemm below) near the FMA peak instead of one pass over the state per
 // token. Cs = 16: 8 and 32 were slower (fewer products per pass over a state; more Cs x Cs
 // work).
 #pragma once
-
-#if defined(__AVX__)
-#include <immintrin.h>
-#endif
 
 namespace rlx {
 namespace {
@@ -111,28 +108,6 @@ template <typename acc_t>
 inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_t c = 1) {
   constexpr int64_t L = 32 / sizeof(acc_t);
   for (int64_t i = 0; i < n; i += L) store_vec(out + i, c * (load_vec(x + i) * load_vec(y + i)));
-}
-
-// dst[0, n) = src, n a multiple of the vector length, through non-temporal stores when dst
-// is vector-aligned (the gradient rows are written once and read by no one here: without
-// them every line is first read for ownership, and the rows, a KiB or more apart, fall on a
-// quarter of L1's sets).
-template <typename acc_t>
-inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
-#if defined(__AVX__)
-  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
-    for (int64_t i = 0; i < n; i += L) {
-      if constexpr (std::is_same_v<acc_t, float>) {
-        _mm256_stream_ps(dst + i, _mm256_loadu_ps(src + i));
-      } else {
-        _mm256_stream_pd(dst + i, _mm256_loadu_pd(src + i));
-      }
-    }
-    return;
-  }
-#endif
-  for (int64_t i = 0; i < n; i += L) store_vec(dst + i, load_vec(src + i));
 }
 
 // sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
@@ -254,8 +229,8 @@ struct RowDrain {
 
 template <typename in_t, typename acc_t>
 void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
-                             const acc_t* ckpt, const in_t* grad_o, const acc_t* grad_ht,
-                             const GdnBackwardLayout& lay, acc_t* buf) {
+                             const acc_t* ckpt, const acc_t* vw_saved, const in_t* grad_o,
+                             const acc_t* grad_ht, const GdnBackwardLayout& lay, acc_t* buf) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk, KV = K * V, G = p.group();
   constexpr int64_t L = 32 / sizeof(acc_t);
@@ -334,6 +309,25 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       drain.drain(kDrainRows);
     };
 
+    // vw of a sub-chunk when the forward did not keep it (sb's k and v rows, A, gam and b
+    // filled): vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j with u_j = b_j vw_j, i.e.
+    // (I + A diag(b)) vw = v - gam S0^T k: the right-hand side, then vw = inverse x it.
+    auto solve_vw = [&](Sub& sb, const acc_t* S0) {
+      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, rhs, Vp, sb.gam, false);
+      for (int64_t x = 0; x < Cs * Vp; x += L) {
+        store_vec(rhs + x, load_vec(sb.vc + x) - load_vec(rhs + x));
+      }
+      pump();
+      for (int64_t i = 0; i < Cs; ++i) {
+        for (int64_t j = 0; j < Cs; j += L) {
+          store_vec(mat + i * Cs + j, load_vec(sb.A + i * Cs + j) * load_vec(sb.b + j));
+        }
+      }
+      unit_lower_inverse<Cs>(mat, inv);
+      pump();
+      gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, false, Tri::kLower);
+    };
+
     // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
     // after it, state[s + 1] (in states), from state[s].
     auto forward_sub = [&](int64_t s, int64_t t0, int64_t n, int64_t h, int64_t hv,
@@ -363,24 +357,14 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       }
       gather_columns(sb.E, Cs, Cs, Cs, sb.ET);
       pump();
-      // vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j with u_j = b_j vw_j, i.e.
-      // (I + A diag(b)) vw = v - gam S0^T k: the right-hand side, then vw = inverse x it.
-      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, rhs, Vp, sb.gam, false);
-      for (int64_t x = 0; x < Cs * Vp; x += L) {
-        store_vec(rhs + x, load_vec(sb.vc + x) - load_vec(rhs + x));
-      }
-      pump();
       gemm(Cs, Cs, Kp, sb.kc, Kp, sb.kct, Cs, mat, Cs, no_scale, false);
       hadamard(CC, sb.E, mat, sb.A);
       for (int64_t i = 0; i < Cs; ++i) sb.A[i * Cs + i] = 0;
-      for (int64_t i = 0; i < Cs; ++i) {
-        for (int64_t j = 0; j < Cs; j += L) {
-          store_vec(mat + i * Cs + j, load_vec(sb.A + i * Cs + j) * load_vec(sb.b + j));
-        }
+      if (vw_saved) {
+        load_rows(vw_saved, t0, n, Cs, HV, hv, V, Vp, no_scale, acc_t(1), sb.vw);
+      } else {
+        solve_vw(sb, S0);
       }
-      unit_lower_inverse<Cs>(mat, inv);
-      pump();
-      gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, false, Tri::kLower);
       for (int64_t i = 0; i < Cs; ++i) {
         const acc_t* r = sb.vw + i * Vp;
         acc_t* ui = sb.u + i * Vp;
@@ -431,6 +415,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           if (c > 0) {
             ahead.add(in.k, t0 - C, C, H, h, K, sizeof(in_t));
             ahead.add(in.v, t0 - C, C, HV, hv, V, sizeof(in_t));
+            if (vw_saved) ahead.add(vw_saved, t0 - C, C, HV, hv, V, sizeof(acc_t));
           }
           for (int64_t s = ns - 1; s >= 0; --s) {
             const Sub& sb = subs[s];

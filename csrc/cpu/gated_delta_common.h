@@ -41,6 +41,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 #include "huge_pages.h"
@@ -206,6 +210,39 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 2);
 }
+
+// *dst = x through a non-temporal store (dst vector-aligned) where AVX has one: for rows
+// written once and read by no one soon, which would otherwise first be read for ownership,
+// a cache miss the token loops wait on.
+template <typename acc_t>
+inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
+#if defined(__AVX__)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    _mm256_stream_ps(dst, reinterpret_cast<const __m256&>(x));
+  } else {
+    _mm256_stream_pd(dst, reinterpret_cast<const __m256d&>(x));
+  }
+#else
+  store_vec(dst, x);
+#endif
+}
+
+// dst[0, n) = src, streamed (stream_vec) when dst is vector-aligned.
+template <typename acc_t>
+inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
+  constexpr int64_t L = 32 / sizeof(acc_t);
+  int64_t i = 0;
+  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+    for (; i + L <= n; i += L) stream_vec(dst + i, load_vec(src + i));
+  }
+  for (; i < n; ++i) dst[i] = src[i];
+}
+
+// Whether the forward keeps vw = v - P^T k per token (gated_delta_fwd's fourth output): the
+// chunked backward (one gate per head) then reads it instead of recomputing it, a triangular
+// solve and a product with the state per sub-chunk. The token-by-token backward (a gate per
+// key channel) does not use it.
+inline bool gdn_keeps_vw(const GdnProblem& p) { return p.chunk > 0 && !p.gate_per_channel; }
 
 inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return t;

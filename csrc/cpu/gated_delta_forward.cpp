@@ -91,6 +91,35 @@ inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>
   for (; j < nv; ++j) fused_rows_column<kRenorm>(S + j, K, nv, cf, u[j], o + j, w + j);
 }
 
+// u = b (v - w) over nv columns; with vw, v - w also goes there (the forward's vw output,
+// gdn_keeps_vw), streamed past the caches when aligned: the backward reads it much later,
+// and plain stores cost a read for ownership per line (prototype, in-process A/B at B=1
+// T=2048 H=4 K=V=64, 2 threads: the forward 0.2-0.7 ms slower with plain stores, 0.02-0.08
+// ms streamed).
+template <typename in_t, typename acc_t>
+inline void residual_row(const in_t* __restrict vt, const acc_t* __restrict w, acc_t b,
+                         int64_t nv, acc_t* __restrict u, acc_t* __restrict vw, bool streamed) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  int64_t j = 0;
+  for (; j + L <= nv; j += L) {
+    vec v8;
+    if constexpr (std::is_same_v<in_t, acc_t>) {
+      v8 = load_vec(vt + j);
+    } else {
+      for (int64_t l = 0; l < L; ++l) v8[l] = static_cast<acc_t>(vt[j + l]);
+    }
+    const vec x = v8 - load_vec(w + j);
+    store_vec(u + j, b * x);
+    if (vw) streamed ? stream_vec(vw + j, x) : store_vec(vw + j, x);
+  }
+  for (; j < nv; ++j) {
+    const acc_t x = static_cast<acc_t>(vt[j]) - w[j];
+    u[j] = b * x;
+    if (vw) vw[j] = x;
+  }
+}
+
 // w = S^T f over nv columns of a row-major block: the first token's w, before the pipeline.
 template <typename acc_t>
 inline void project_rows(const acc_t* S, int64_t K, int64_t nv, const acc_t* f, acc_t* w) {
@@ -102,7 +131,7 @@ inline void project_rows(const acc_t* S, int64_t K, int64_t nv, const acc_t* f, 
 
 template <typename in_t, typename acc_t>
 void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0,
-                    in_t* out, acc_t* ht, acc_t* ckpt) {
+                    in_t* out, acc_t* ht, acc_t* ckpt, acc_t* vw_out) {
   // With in.l2norm, q and k rows are normalized on the fly: their factors r (one per row, see
   // l2norm_row.h) join the per-token factors below (rqs, rks).
   auto rk = [&](int64_t tok, int64_t h) {
@@ -124,6 +153,9 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
+  // vw rows are vector-aligned (BV is a multiple of 8) when V is a multiple of a vector.
+  const bool vw_streamed = V % (32 / int64_t(sizeof(acc_t))) == 0 &&
+                           reinterpret_cast<uintptr_t>(vw_out) % 32 == 0;
   // A task runs a group of a head's column blocks over chunks of TC tokens: the per-token
   // row factors (and the strided q/k rows they come from) are computed once per chunk and
   // then read by every block of the group. Groups split a head only when there are fewer
@@ -305,7 +337,8 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
               ws = tfs[i];
             }
             const in_t* vt = in.v + (tok * HV + hv) * V + v0;
-            for (int64_t j = 0; j < nv; ++j) u[j] = b * (static_cast<acc_t>(vt[j]) - w[j]);
+            acc_t* vw_row = vw_out ? vw_out + (tok * HV + hv) * V + v0 : nullptr;
+            residual_row(vt, w, b, nv, u.data(), vw_row, vw_streamed);
             if (renorm[i]) {
               fused_rows<true>(Sb, K, nv, cf, u.data(), o.data(), w);
             } else {
@@ -331,6 +364,9 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         store_state(&S[(vb - vb0) * K * BV], c.data(), v0, nv, ht + (n * HV + hv) * K * V);
       }
     }
+#if defined(__AVX__)
+    _mm_sfence();  // vw's streamed rows are visible before the parallel region ends
+#endif
   });
 }
 
@@ -350,7 +386,7 @@ void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
@@ -368,8 +404,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   at::Tensor ckpt =
       at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
                 q.options().dtype(p.acc_dtype));
+  at::Tensor vw = gdn_keeps_vw(p) ? at::empty(v.sizes(), q.options().dtype(p.acc_dtype))
+                                  : at::empty({0}, q.options().dtype(p.acc_dtype));
   advise_huge_pages(o);
   advise_huge_pages(ckpt);
+  advise_huge_pages(vw);
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
@@ -379,9 +418,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
                                                                 l2norm_eps),
                                     h0 ? h0->data_ptr<acc_t>() : nullptr,
                                     o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
-                                    ckpt.data_ptr<acc_t>());
+                                    ckpt.data_ptr<acc_t>(),
+                                    vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
   });
-  return {o, ht, ckpt};
+  return {o, ht, ckpt, vw};
 }
 
 }  // namespace

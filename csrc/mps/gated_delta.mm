@@ -89,7 +89,7 @@ void check_no_l2norm(const char* op, std::optional<double> l2norm_eps) {
               "(rlx_torch.gated_delta_rule(..., use_qk_l2norm=True) does)");
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
@@ -123,7 +123,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
                {mps::kFwdFinalState, ht},
                {mps::kFwdCheckpoints, ckpt}};
   mps::encode(kSource, {d});
-  return {o, ht, ckpt};
+  // vw (v - S^T k per token) is not kept here: the MPS backward recomputes it.
+  return {o, ht, ckpt, at::empty({0}, q.options().dtype(at::kFloat))};
 }
 
 at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -133,8 +134,13 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
                                const std::optional<at::Tensor>& cu_seqlens,
                                const at::Tensor& checkpoints, const at::Tensor& grad_o_in,
                                const std::optional<at::Tensor>& grad_final_state,
-                               int64_t chunk_size, std::optional<double> l2norm_eps) {
+                               int64_t chunk_size, std::optional<double> l2norm_eps,
+                               const std::optional<at::Tensor>& vw) {
   const char* op = "rlx::gated_delta_bwd";
+  // The MPS forward keeps no vw (an empty tensor) and its backward recomputes it.
+  TORCH_CHECK(!vw.has_value() || vw->numel() == 0, op,
+              ": vw must be None or empty on MPS (its forward returns an empty one), got ",
+              vw.has_value() ? vw->sizes() : at::IntArrayRef{});
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
   check_no_l2norm(op, l2norm_eps);

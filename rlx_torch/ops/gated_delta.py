@@ -16,7 +16,7 @@ Op contracts (schemas in ``csrc/ops.cpp``; packed layouts in
 float32. ``B*T`` tokens are addressed as ``b*T + t`` (the packed position when varlen).
 
 ``rlx::gated_delta_fwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
-l2norm_eps=None) -> (o, final_state, checkpoints)``
+l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]`` (HV % H == 0, 1 <= K, V <= 256), all one dtype
     (float16, bfloat16, float32, float64). g ``[B, T, HV]`` or ``[B, T, HV, K]`` and beta
     ``[B, T, HV]`` in acc. initial_state ``[N, HV, K, V]`` acc or None (zeros). cu_seqlens
@@ -28,12 +28,17 @@ l2norm_eps=None) -> (o, final_state, checkpoints)``
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
     (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
-    rounding the normalized rows to the input dtype).
+    rounding the normalized rows to the input dtype). vw ``[B, T, HV, V]`` acc is
+    ``v_t - w_t`` per token (``w_t = P_t^T k_t``, the decayed state's prediction of v_t; u =
+    beta vw), kept for the backward by the CPU kernels when ``chunk_size > 0`` and the gate
+    is per head (the chunked backward reads it instead of recomputing it); otherwise, and on
+    other devices, an empty ``[0]`` tensor.
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
-grad_o, grad_final_state, chunk_size=64, l2norm_eps=None) -> packed``
-    Same inputs as the forward plus its checkpoints, grad_o (o's shape and dtype) and
-    grad_final_state (``[N, HV, K, V]`` acc, or None for zero). Returns one flat acc buffer:
+grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
+    Same inputs as the forward plus its checkpoints, grad_o (o's shape and dtype),
+    grad_final_state (``[N, HV, K, V]`` acc, or None for zero) and its vw (None or empty:
+    recomputed). Returns one flat acc buffer:
     dq ``[B,T,H,K]``, dk ``[B,T,H,K]``, dv ``[B,T,HV,V]``, dg (g's shape), dbeta ``[B,T,HV]``,
     then d_initial_state ``[N,HV,K,V]`` when initial_state is given; dq and dk are those of
     the raw q and k when ``l2norm_eps`` is given (as it was to the forward). Offsets come from
@@ -114,12 +119,14 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
     o = v.new_empty(v.shape)
     final_state = q.new_empty((N, HV, K, V), dtype=acc)
     checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
-    return o, final_state, checkpoints
+    keeps_vw = q.device.type == "cpu" and chunk_size > 0 and g.dim() == 3  # gdn_keeps_vw
+    vw = q.new_empty(v.shape if keeps_vw else (0,), dtype=acc)
+    return o, final_state, checkpoints, vw
 
 
 @torch.library.register_fake("rlx::gated_delta_bwd")
 def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints, grad_o,
-              grad_final_state, chunk_size=64, l2norm_eps=None):
+              grad_final_state, chunk_size=64, l2norm_eps=None, vw=None):
     layout = _layout_for(q, v, g, initial_state, cu_seqlens)
     return q.new_empty((layout["total"],), dtype=_acc_dtype(q.dtype))
 
@@ -157,26 +164,26 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                 l2norm_eps):
-        o, final_state, checkpoints = torch.ops.rlx.gated_delta_fwd(
+        o, final_state, checkpoints, vw = torch.ops.rlx.gated_delta_fwd(
             q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps)
         ctx.scale, ctx.chunk_size, ctx.l2norm_eps = scale, chunk_size, l2norm_eps
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints)
-        ctx.mark_non_differentiable(checkpoints)
-        # Unused outputs (final_state when not returned, the checkpoints) get None rather than
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw)
+        ctx.mark_non_differentiable(checkpoints, vw)
+        # Unused outputs (final_state when not returned, the checkpoints, vw) get None rather than
         # materialized zeros: 2 MiB of zero-filled checkpoint gradient per call at T = 2048.
         ctx.set_materialize_grads(False)
-        return o, final_state, checkpoints
+        return o, final_state, checkpoints, vw
 
     @staticmethod
-    def backward(ctx, grad_o, grad_final_state, _grad_checkpoints):
-        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints = ctx.saved_tensors
+    def backward(ctx, grad_o, grad_final_state, _grad_checkpoints, _grad_vw):
+        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw = ctx.saved_tensors
         if grad_o is None:
             grad_o = torch.zeros_like(v)
         elif grad_o.dtype != v.dtype:
             grad_o = grad_o.to(v.dtype)
         packed = torch.ops.rlx.gated_delta_bwd(
             q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints, grad_o,
-            grad_final_state, ctx.chunk_size, ctx.l2norm_eps)
+            grad_final_state, ctx.chunk_size, ctx.l2norm_eps, vw)
         dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
                                                          cu_seqlens)
         if q.dtype != packed.dtype:  # 16-bit inputs: gradients in the inputs' dtype
@@ -280,10 +287,10 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
     elif use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
     if needs_grad or not on_cpu:
-        o, final_state, _ = GatedDeltaRuleFunction.apply(
+        o, final_state, _, _ = GatedDeltaRuleFunction.apply(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size),
             l2norm_eps)
     else:  # inference: no checkpoints (saves O(T / C * K * V) memory per head)
-        o, final_state, _ = torch.ops.rlx.gated_delta_fwd(
+        o, final_state, _, _ = torch.ops.rlx.gated_delta_fwd(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0, l2norm_eps)
     return o, (final_state if output_final_state else None)
