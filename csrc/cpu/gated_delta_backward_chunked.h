@@ -33,12 +33,14 @@
 namespace rlx {
 namespace {
 
-// C[M x N] (+)= diag(rs) A[M x P] B[P x N], row-major; N a multiple of the vector length.
-// An MR x NV-vector tile of C stays in registers over the whole inner dimension.
+// C[M x N] = diag(rs) A[M x P] B[P x N] (+ cs X, X[M x N] with C's row stride: C itself to
+// accumulate, or another matrix), row-major; N a multiple of the vector length. An
+// MR x NV-vector tile of C stays in registers over the whole inner dimension. (The scaled
+// addend saves a pass over a state where the products decay it first: S1 and dS.)
 template <int64_t MR, int64_t NV, typename acc_t>
 inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
-                      const acc_t* __restrict B, int64_t ldb, acc_t* __restrict C, int64_t ldc,
-                      const acc_t* rs, bool add) {
+                      const acc_t* __restrict B, int64_t ldb, acc_t* C, int64_t ldc,
+                      const acc_t* rs, const acc_t* X, acc_t cs) {
   using vec = Vec256<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec c[MR][NV];
@@ -56,8 +58,8 @@ inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
   for (int64_t m = 0; m < MR; ++m) {
     for (int64_t v = 0; v < NV; ++v) {
       const vec x = rs ? rs[m] * c[m][v] : c[m][v];
-      acc_t* d = C + m * ldc + v * L;
-      store_vec(d, add ? load_vec(d) + x : x);
+      const int64_t o = m * ldc + v * L;
+      store_vec(C + o, X ? cs * load_vec(X + o) + x : x);
     }
   }
 }
@@ -67,11 +69,14 @@ inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
 // AVX2's 16 vector registers.
 template <int64_t MR, typename acc_t>
 inline void gemm_cols(int64_t P, int64_t N, const acc_t* A, int64_t lda, const acc_t* B,
-                      int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add) {
+                      int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, const acc_t* X,
+                      acc_t cs) {
   constexpr int64_t L = 32 / sizeof(acc_t);
   int64_t j = 0;
-  for (; j + 2 * L <= N; j += 2 * L) gemm_tile<MR, 2>(P, A, lda, B + j, ldb, C + j, ldc, rs, add);
-  if (j < N) gemm_tile<MR, 1>(P, A, lda, B + j, ldb, C + j, ldc, rs, add);
+  for (; j + 2 * L <= N; j += 2 * L) {
+    gemm_tile<MR, 2>(P, A, lda, B + j, ldb, C + j, ldc, rs, X ? X + j : X, cs);
+  }
+  if (j < N) gemm_tile<MR, 1>(P, A, lda, B + j, ldb, C + j, ldc, rs, X ? X + j : X, cs);
 }
 
 // A's zero triangle, when it has one (M = P): a row tile then runs over A's nonzero columns
@@ -80,8 +85,8 @@ enum class Tri { kFull, kLower, kUpper };
 
 template <typename acc_t>
 inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, const acc_t* B,
-                 int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, bool add,
-                 Tri tri = Tri::kFull) {
+                 int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, const acc_t* X,
+                 acc_t cs = 1, Tri tri = Tri::kFull) {
   constexpr int64_t MR = 6;
   for (int64_t i = 0; i < M; i += MR) {
     const int64_t m = std::min(MR, M - i);
@@ -91,14 +96,15 @@ inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, c
     const acc_t* Bi = B + p0 * ldb;
     acc_t* Ci = C + i * ldc;
     const acc_t* rsi = rs ? rs + i : nullptr;
+    const acc_t* Xi = X ? X + i * ldc : nullptr;
     const int64_t Pi = p1 - p0;
     switch (m) {
-      case 6: gemm_cols<6>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
-      case 5: gemm_cols<5>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
-      case 4: gemm_cols<4>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
-      case 3: gemm_cols<3>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
-      case 2: gemm_cols<2>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add); break;
-      default: gemm_cols<1>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, add);
+      case 6: gemm_cols<6>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs); break;
+      case 5: gemm_cols<5>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs); break;
+      case 4: gemm_cols<4>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs); break;
+      case 3: gemm_cols<3>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs); break;
+      case 2: gemm_cols<2>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs); break;
+      default: gemm_cols<1>(Pi, N, Ai, lda, Bi, ldb, Ci, ldc, rsi, Xi, cs);
     }
   }
 }
@@ -241,7 +247,8 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
   const int64_t nsubs = gdn_num_chunks(C, Cs);
-  const acc_t* const no_scale = nullptr;  // gemm's rs: rows not scaled
+  const acc_t* const no_scale = nullptr;   // gemm's rs: rows not scaled
+  const acc_t* const no_addend = nullptr;  // gemm's X: C = the product
   const int64_t tasks = p.num_seqs * H;
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
@@ -313,7 +320,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     // filled): vw = v - gam S0^T k - sum_{j<i} A[i][j] u_j with u_j = b_j vw_j, i.e.
     // (I + A diag(b)) vw = v - gam S0^T k: the right-hand side, then vw = inverse x it.
     auto solve_vw = [&](Sub& sb, const acc_t* S0) {
-      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, rhs, Vp, sb.gam, false);
+      gemm(Cs, Vp, Kp, sb.kc, Kp, S0, Vp, rhs, Vp, sb.gam, no_addend);
       for (int64_t x = 0; x < Cs * Vp; x += L) {
         store_vec(rhs + x, load_vec(sb.vc + x) - load_vec(rhs + x));
       }
@@ -325,7 +332,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       }
       unit_lower_inverse<Cs>(mat, inv);
       pump();
-      gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, false, Tri::kLower);
+      gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, sb.vw, Vp, no_scale, no_addend, acc_t(1), Tri::kLower);
     };
 
     // The forward walk over sub-chunk s (tokens [t0, t0 + n)): fills subs[s] and the state
@@ -357,7 +364,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       }
       gather_columns(sb.E, Cs, Cs, Cs, sb.ET);
       pump();
-      gemm(Cs, Cs, Kp, sb.kc, Kp, sb.kct, Cs, mat, Cs, no_scale, false);
+      gemm(Cs, Cs, Kp, sb.kc, Kp, sb.kct, Cs, mat, Cs, no_scale, no_addend);
       hadamard(CC, sb.E, mat, sb.A);
       for (int64_t i = 0; i < Cs; ++i) sb.A[i * Cs + i] = 0;
       if (vw_saved) {
@@ -379,9 +386,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                     load_vec(sb.kct + r * Cs + j) * load_vec(sb.E + (n - 1) * Cs + j));
         }
       }
-      const acc_t gl = sb.gam[n - 1];
-      for (int64_t x = 0; x < SP; x += L) store_vec(S1 + x, gl * load_vec(S0 + x));
-      gemm(Kp, Vp, Cs, tmp, Cs, sb.u, Vp, S1, Vp, no_scale, true);
+      gemm(Kp, Vp, Cs, tmp, Cs, sb.u, Vp, S1, Vp, no_scale, S0, sb.gam[n - 1]);
       pump();
     };
 
@@ -444,10 +449,10 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // du = E[n-1][t] dSn^T k_t + sum_{j>=t} E[j][t] (qs_j . k_t) go_j
             //      - sum_{j>t} A[j][t] b_j du_j,
             // i.e. (I + diag(b) A)^T du = the first two terms: du = inverse^T x them.
-            gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, rhs, Vp, elast, false);
-            gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, false);
+            gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, rhs, Vp, elast, no_addend);
+            gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, no_addend);
             hadamard(CC, sb.ET, mat, mat, in.scale);
-            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, rhs, Vp, no_scale, true, Tri::kUpper);
+            gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, rhs, Vp, no_scale, rhs, acc_t(1), Tri::kUpper);
             pump();
             for (int64_t i = 0; i < Cs; ++i) {
               for (int64_t j = 0; j < Cs; j += L) {
@@ -456,7 +461,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             }
             unit_lower_inverse<Cs>(mat, mat2);
             gather_columns(mat2, Cs, Cs, Cs, inv);
-            gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, du, Vp, no_scale, false, Tri::kUpper);
+            gemm(Cs, Vp, Cs, inv, Cs, rhs, Vp, du, Vp, no_scale, no_addend, acc_t(1), Tri::kUpper);
             for (int64_t x = 0; x < Cs * Vp; x += L) {
               store_vec(dW + x, -sb.b[x / Vp] * load_vec(du + x));
             }
@@ -466,15 +471,15 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gather_columns(S0, Kp, Vp, Kp, S0T);
             pump();
             // [go; dw] u^T and [go; dw] S0^T (the latter's rows scaled by scale gam and gam)
-            gemm(2 * Cs, Cs, Vp, ow, Vp, ut, Cs, gu, Cs, no_scale, false);
-            gemm(2 * Cs, Kp, Vp, ow, Vp, S0T, Kp, dqr, Kp, sgam, false);
+            gemm(2 * Cs, Cs, Vp, ow, Vp, ut, Cs, gu, Cs, no_scale, no_addend);
+            gemm(2 * Cs, Kp, Vp, ow, Vp, S0T, Kp, dqr, Kp, sgam, no_addend);
             hadamard(CC, sb.E, gu, mat, in.scale);
-            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, true, Tri::kLower);
+            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, dqr, acc_t(1), Tri::kLower);
             // dk = E[n-1][t] dSn u_t + gam_t S0 dw_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
             //      + (sum_{j>t} E[j][t] (dw_j . u_t) + sum_{j<t} E[t][j] (dw_t . u_j)) k_j
             // (dSn u_t as the Kp x Cs product dSn u^T transposed: a quarter of the values
             // to transpose that dSn^T would need)
-            gemm(Kp, Cs, Vp, dS, Vp, ut, Cs, tmp, Cs, no_scale, false);
+            gemm(Kp, Cs, Vp, dS, Vp, ut, Cs, tmp, Cs, no_scale, no_addend);
             gather_columns(tmp, Kp, Cs, Kp, dsu);
             for (int64_t t = 0; t < Cs; ++t) {
               for (int64_t d = 0; d < Kp; d += L) {
@@ -484,7 +489,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             }
             gather_columns(gu, Cs, Cs, Cs, mat2);
             hadamard(CC, sb.ET, mat2, mat, in.scale);
-            gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, true, Tri::kUpper);
+            gemm(Cs, Kp, Cs, mat, Cs, qs, Kp, dkr, Kp, no_scale, dkr, acc_t(1), Tri::kUpper);
             gather_columns(wu, Cs, Cs, Cs, mat2);
             hadamard(CC, sb.ET, mat2, mat);
             hadamard(CC, sb.E, wu, mat2);
@@ -492,7 +497,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
               store_vec(&mat[x], load_vec(&mat[x]) + load_vec(&mat2[x]));
             }
             for (int64_t t = 0; t < Cs; ++t) mat[t * Cs + t] = 0;
-            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dkr, Kp, no_scale, true);
+            gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dkr, Kp, no_scale, dkr);
             pump();
             // dS0 = gam_{n-1} dSn + [gam qs | gam k]^T [go; dw]
             for (int64_t r = 0; r < Kp; ++r) {
@@ -502,9 +507,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                 store_vec(x + Cs + j, load_vec(sb.kct + r * Cs + j) * load_vec(sb.gam + j));
               }
             }
-            const acc_t gl = sb.gam[m - 1];
-            for (int64_t x = 0; x < SP; x += L) store_vec(&dS[x], gl * load_vec(&dS[x]));
-            gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale, true);
+            gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale, dS, sb.gam[m - 1]);
             pump();
             // The sub-chunk's gradients. Per-token sums first, as lane vectors reduced eight
             // tokens at a time; then dg by its recursion, last token first: with
