@@ -32,7 +32,7 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     ``v_t - w_t`` per token (``w_t = P_t^T k_t``, the decayed state's prediction of v_t; u =
     beta vw), kept for the backward by the CPU kernels when ``chunk_size > 0`` and the gate
     is per head (the chunked backward reads it instead of recomputing it); otherwise, and on
-    other devices, an empty ``[0]`` tensor.
+    MPS, an empty ``[0]`` tensor.
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
 grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
@@ -119,7 +119,8 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
     o = v.new_empty(v.shape)
     final_state = q.new_empty((N, HV, K, V), dtype=acc)
     checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
-    keeps_vw = q.device.type == "cpu" and chunk_size > 0 and g.dim() == 3  # gdn_keeps_vw
+    # gdn_keeps_vw (the CPU kernels; meta tensors stand in for CPU ones); MPS keeps none
+    keeps_vw = q.device.type != "mps" and chunk_size > 0 and g.dim() == 3
     vw = q.new_empty(v.shape if keeps_vw else (0,), dtype=acc)
     return o, final_state, checkpoints, vw
 
