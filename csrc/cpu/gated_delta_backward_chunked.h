@@ -188,11 +188,12 @@ inline void unit_lower_inverse(const acc_t* __restrict M, acc_t* __restrict X) {
 // not prefetch them, and a burst of prefetches for a whole sub-chunk stalls on the few
 // line-fill buffers. So while one walk runs, the rows the next one reads are queued in the
 // order it reads them (the forward walk of a chunk queues its q and go rows, last sub-chunk
-// first; the backward walk the k, v and vw rows of the chunk before, sub-chunk by sub-chunk)
-// and fetched between products. Into L2, not L1: a walk's rows (48 KiB or more) would evict
-// the states the products work on, and themselves before they are read. (In-process A/B of
-// the backward op, 1 thread, B=1 T=2048 H=4 K=V=64: 10.9 -> 10.2 ms median with both
-// changes, 10.0 -> 9.7 ms with L2 alone.)
+// first; the backward walk the checkpoint and the k, v and vw rows of the chunk before,
+// sub-chunk by sub-chunk) and fetched between products. Into L2, not L1: a walk's rows (48
+// KiB or more) would evict the states the products work on, and themselves before they are
+// read. (In-process A/B of the backward op, 1 thread, B=1 T=2048 H=4 K=V=64: 10.9 -> 10.2 ms
+// median with L2 and the order, 10.0 -> 9.7 ms with L2 alone; then the checkpoint with 40
+// lines per pump instead of 24, 9.44 -> 9.13 and 9.53 -> 9.19 ms.)
 struct RowQueue {
   std::vector<std::pair<const char*, int64_t>> rows;  // (row, bytes)
   size_t next = 0;
@@ -245,7 +246,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
   const int64_t C = p.chunk, KV = K * V, G = p.group();
   constexpr int64_t L = 32 / sizeof(acc_t);
   constexpr int64_t Cs = 16, CC = Cs * Cs;  // sub-chunk: a multiple of L for float and double
-  constexpr int64_t kPumpLines = 24, kDrainRows = 6;  // per pump (see pump)
+  constexpr int64_t kPumpLines = 40, kDrainRows = 6;  // per pump (see pump)
   const int64_t Kp = (K + L - 1) / L * L, Vp = (V + L - 1) / L * L, SP = Kp * Vp;
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
@@ -424,6 +425,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
           }
           if (c + 1 < nchunks) state[ns] = padded_state(ck + HV * KV, &states[ns * SP]);
           ahead.restart();  // the k and v rows of the chunk before, for its forward walk
+          if (c > 0) ahead.add(ck - HV * KV, 0, 1, 1, 0, KV, sizeof(acc_t));  // its checkpoint
           for (int64_t t = t0 - C; c > 0 && t < t0; t += Cs) {
             const int64_t n = std::min(Cs, t0 - t);
             ahead.add(in.k, t, n, H, h, K, sizeof(in_t));
