@@ -384,6 +384,10 @@ def test_inference_keeps_no_checkpoints():
     o64, ht64, ckpt64, _ = torch.ops.rlx.gated_delta_fwd(*args, 64)
     assert ckpt.shape[0] == 0 and ckpt64.shape[0] > 0 and vw.numel() == 0
     assert torch.equal(o, o64) and torch.equal(ht, ht64)
+    per_head = make_inputs(B=2, T=70)  # (keeps vw only for a backward: not with C = 0)
+    head_args = tuple(per_head[n] for n in ("q", "k", "v", "g", "beta")) + (0.3, None, None)
+    assert torch.ops.rlx.gated_delta_fwd(*head_args, 0)[3].numel() == 0
+    assert torch.ops.rlx.gated_delta_fwd(*head_args, 64)[3].shape == per_head["v"].shape
     torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default, args + (0,))
     with torch.no_grad():  # the public function takes this path on its own
         o2, ht2 = rlx_torch.gated_delta_rule(*args[:5], scale=0.3,
