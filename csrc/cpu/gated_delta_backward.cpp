@@ -105,15 +105,10 @@ inline void l2norm_backward_inplace(const in_t* x, acc_t r, int64_t K, acc_t* dy
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
     if (K % L == 0) {
-      vec s0 = {}, s1 = {};
-      int64_t d = 0;
-      for (; d + 2 * L <= K; d += 2 * L) {
-        s0 += load_vec(x + d) * load_vec(dy + d);
-        s1 += load_vec(x + d + L) * load_vec(dy + d + L);
+      const acc_t c = r * r * hsum<acc_t>(dot_lanes(K, x, dy));
+      for (int64_t d = 0; d < K; d += L) {
+        store_vec(dy + d, r * (load_vec(dy + d) - load_vec(x + d) * c));
       }
-      if (d < K) s0 += load_vec(x + d) * load_vec(dy + d);
-      const acc_t c = r * r * hsum<acc_t>(s0 + s1);
-      for (d = 0; d < K; d += L) store_vec(dy + d, r * (load_vec(dy + d) - load_vec(x + d) * c));
       return;
     }
   }

@@ -116,21 +116,6 @@ inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_
   for (int64_t i = 0; i < n; i += L) store_vec(out + i, c * (load_vec(x + i) * load_vec(y + i)));
 }
 
-// sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
-template <typename acc_t>
-inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
-  using vec = Vec256<acc_t>;
-  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
-  vec s0 = {}, s1 = {};
-  int64_t i = 0;
-  for (; i + 2 * L <= n; i += 2 * L) {
-    s0 += load_vec(x + i) * load_vec(y + i);
-    s1 += load_vec(x + i + L) * load_vec(y + i + L);
-  }
-  if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
-  return s0 + s1;
-}
-
 template <typename acc_t>
 inline acc_t dot(int64_t n, const acc_t* x, const acc_t* y) {
   return hsum<acc_t>(dot_lanes(n, x, y));

@@ -158,6 +158,21 @@ inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __
   for (; j < n; ++j) out[j] = hsum<acc_t>(x[j]);
 }
 
+// sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
+template <typename acc_t>
+inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
+  using vec = Vec256<acc_t>;
+  constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
+  vec s0 = {}, s1 = {};
+  int64_t i = 0;
+  for (; i + 2 * L <= n; i += 2 * L) {
+    s0 += load_vec(x + i) * load_vec(y + i);
+    s1 += load_vec(x + i + L) * load_vec(y + i + L);
+  }
+  if (i < n) s0 += load_vec(x + i) * load_vec(y + i);
+  return s0 + s1;
+}
+
 // out[i] = l2norm_rstd of the K-long row x + i * stride, i < n. Float rows of whole vectors
 // are summed as vectors and reduced eight rows at a time by hsum_columns: a row at a time,
 // the reduction and the square root are one dependent chain per row (~90 cycles; it made
@@ -175,18 +190,7 @@ inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K
         const int64_t m = std::min(kRows, n - i0);
         for (int64_t i = 0; i < m; ++i) {
           const acc_t* r = x + (i0 + i) * stride;
-          vec s0 = {}, s1 = {};
-          int64_t d = 0;
-          for (; d + 2 * L <= K; d += 2 * L) {
-            const vec a = load_vec(r + d), b = load_vec(r + d + L);
-            s0 += a * a;
-            s1 += b * b;
-          }
-          if (d < K) {
-            const vec a = load_vec(r + d);
-            s0 += a * a;
-          }
-          part[i] = s0 + s1;
+          part[i] = dot_lanes(K, r, r);
         }
         hsum_columns(part, m, out + i0);
       }
