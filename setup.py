@@ -4,11 +4,17 @@ C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The Objective
 Metal host code (csrc/mps/*.mm) is added only on macOS when this torch was built with MPS;
 the .metal kernel sources are embedded into a generated header either way (see
 tools/embed_metal.py), so the host code and the Linux emulator tests read the same text.
+
+The per-platform choices (sources, compile flags, link flags) are pure functions of the
+platform, the compiler and torch's configuration (`source_files`, `build_flags`), so that
+tests/test_setup_flags.py can check the macOS arm64 build from Linux.
 """
 
 import glob
 import os
 import platform
+import re
+import subprocess
 import sys
 
 import torch
@@ -17,6 +23,35 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+
+
+def arm64_only(config_vars: dict, machine: str) -> dict:
+    """Rewrites Python's build flags (distutils' config vars, in place) for macOS: arm64 only.
+
+    A universal2 Python's CFLAGS/LDFLAGS/LDSHARED carry ``-arch arm64 -arch x86_64``; the
+    x86_64 slice cannot link against the arm64-only libtorch. (distutils' own $ARCHFLAGS
+    rewrite misses an ``-arch`` at the very end of a value.)
+
+    >>> arm64_only({"LDFLAGS": "-arch arm64 -arch x86_64", "CC": "clang"}, "arm64")["LDFLAGS"]
+    '-arch arm64'
+    """
+    if machine != "arm64":
+        raise SystemExit(
+            f"rlx_torch builds on macOS for Apple silicon (arm64) only, but this Python runs as "
+            f"{machine} (under Rosetta?); use an arm64 Python (torch has no x86_64 macOS wheels "
+            f"since 2.3)")
+    for key, value in config_vars.items():
+        if isinstance(value, str) and re.search(r"-arch\s", value):
+            rest = re.sub(r"\s*-arch\s+\S+", "", value).strip()
+            config_vars[key] = f"{rest} -arch arm64".strip()
+    return config_vars
+
+
+if sys.platform == "darwin":
+    from distutils import sysconfig as _distutils_sysconfig  # setuptools' copy, as build_ext's
+
+    # The cached dict that the compiler and linker commands are made from, before any is made.
+    arm64_only(_distutils_sysconfig.get_config_vars(), platform.machine())
 
 
 def _write_build_info():
@@ -28,53 +63,129 @@ def _write_build_info():
             f.write(text)
 
 
-def _sources():
-    srcs = sorted(glob.glob("csrc/*.cpp")) + sorted(glob.glob("csrc/cpu/*.cpp"))
-    use_mps = sys.platform == "darwin" and torch.backends.mps.is_built()
+def source_files(root: str, system: str, mps_built: bool) -> tuple[list[str], bool]:
+    """The sources to compile (relative to root) and whether the Metal host code is among them.
+
+    >>> source_files(".", "linux", mps_built=False)[1]
+    False
+    """
+    def rel(pattern):
+        return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
+
+    srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    use_mps = system == "darwin" and mps_built
     if use_mps:
-        srcs += sorted(glob.glob("csrc/mps/*.mm"))
+        srcs += rel("csrc/mps/*.mm")
     return srcs, use_mps
 
 
-def _extension():
-    srcs, use_mps = _sources()
-    debug = os.getenv("DEBUG", "0") == "1"
-    cxx = ["-O0", "-g"] if debug else ["-O3"]
+def cxx_standard(torch_version: str) -> str:
+    """The C++ standard torch's cpp_extension builds with: C++17 before torch 2.10, C++20 from
+    it. The sources stay C++17 (the oldest supported torch); RLX_CXX_STD overrides.
+
+    >>> cxx_standard("2.9.1"), cxx_standard("2.13.0+cpu")
+    ('c++17', 'c++20')
+    """
+    major, minor = (int(p) for p in torch_version.split("+")[0].split(".")[:2])
+    return "c++17" if (major, minor) < (2, 10) else "c++20"
+
+
+def compiler_family(cxx: str) -> str:
+    """'clang' or 'gcc', from `cxx --version` (Apple's c++ is clang)."""
+    try:
+        out = subprocess.run([*cxx.split(), "--version"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "gcc"
+    return "clang" if "clang" in out.lower() else "gcc"
+
+
+LINUX_CLANG_OPENMP = (
+    "On Linux torch's OpenMP runtime is GCC's libgomp, while clang's -fopenmp runs our kernels "
+    "in LLVM's libomp beside it, which ignores torch.set_num_threads. Build with GCC on Linux "
+    "(CC=gcc CXX=g++), or set RLX_CLANG_OPENMP=1 to build with libomp anyway (compile checks).")
+
+
+def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_openmp: bool,
+                torch_lib_dir: str, use_mps: bool, debug: bool = False, avx2: bool = True,
+                clang_openmp: bool = False) -> dict[str, list[str]]:
+    """Compile ("cxx") and link ("link") arguments for one platform.
+
+    system: sys.platform ("linux", "darwin"); machine: platform.machine(); compiler: "gcc" or
+    "clang"; torch_openmp: torch's ATen parallel backend is OpenMP; torch_lib_dir: torch/lib.
+
+    >>> f = build_flags("darwin", "arm64", "clang", std="c++17", torch_openmp=True,
+    ...                 torch_lib_dir="/t/lib", use_mps=True)
+    >>> "-lomp" in f["link"] and "-mavx2" not in f["cxx"]
+    True
+    """
+    cxx = [f"-std={std}"]
+    cxx += ["-O0", "-g"] if debug else ["-O3"]
     # Python's own flags (sysconfig CFLAGS) bring -fwrapv, which CPython needs and these
     # kernels do not: with it, signed index arithmetic may wrap, and GCC's loop optimizations
     # lose ground (gated delta backward 3-5% slower, in-process A/B on the 2-core EPYC).
     cxx += ["-fno-wrapv"]
     cxx += ["-Wall", "-Wextra", "-Wno-unused-parameter", "-fdiagnostics-color=always"]
-    include_dirs = [os.path.join(ROOT, "csrc", "include")]
-    extra_link = []
+    link = []
     if use_mps:
-        import embed_metal
-
-        include_dirs.append(embed_metal.generate(ROOT))
-        extra_link += ["-framework", "Metal", "-framework", "Foundation"]
-    if platform.machine() in ("x86_64", "AMD64"):
+        link += ["-framework", "Metal", "-framework", "Foundation"]
+    if machine in ("x86_64", "AMD64"):
         # AVX2/FMA: every x86-64 CPU since Haswell (2013). RLX_AVX2=0 builds for older ones.
-        cxx += ["-mavx2", "-mfma"] if os.getenv("RLX_AVX2", "1") == "1" else []
+        cxx += ["-mavx2", "-mfma"] if avx2 else []
         # Loops start on 32-byte boundaries: the gated delta backward's hottest loop ran
         # 4-6% slower when it happened to start 16 bytes into a 64-byte line (in-process A/B
         # on the 2-core EPYC), and any edit elsewhere in the file moved it there or back.
         cxx += ["-falign-loops=32"]
-    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
-        # at::parallel_for is header-inlined `#pragma omp parallel`: without -fopenmp every
-        # kernel of ours silently runs on one thread.
+    if not torch_openmp:
+        return {"cxx": cxx, "link": link}
+    # at::parallel_for is header-inlined `#pragma omp parallel`: without OpenMP every kernel
+    # of ours silently runs on one thread.
+    if system == "darwin":
+        # Apple's clang has no OpenMP driver support, but torch's macOS wheels ship LLVM's
+        # libomp.dylib (torch/lib) and omp.h (torch/include): compile the pragmas and link that
+        # very runtime, found next to torch once installed and at its build-time path in place.
+        cxx += ["-Xpreprocessor", "-fopenmp"]
+        link += [f"-L{torch_lib_dir}", "-lomp", "-Wl,-rpath,@loader_path/../torch/lib",
+                 f"-Wl,-rpath,{torch_lib_dir}"]
+    elif system.startswith("linux"):
+        if compiler == "clang" and not clang_openmp:
+            raise SystemExit(LINUX_CLANG_OPENMP)
         cxx.append("-fopenmp")
-        extra_link.append("-fopenmp")
+        link.append("-fopenmp")
+    return {"cxx": cxx, "link": link}
+
+
+def _extension():
+    srcs, use_mps = source_files(ROOT, sys.platform,
+                                 sys.platform == "darwin" and torch.backends.mps.is_built())
+    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    cxx_cmd = os.environ.get("CXX", "c++")
+    torch_openmp = "OpenMP" in torch.__config__.parallel_info()
+    if sys.platform == "darwin" and torch_openmp and not glob.glob(f"{torch_lib}/libomp*.dylib"):
+        raise SystemExit(f"this torch uses OpenMP but {torch_lib} has no libomp.dylib to link")
+    flags = build_flags(
+        sys.platform, platform.machine(), compiler_family(cxx_cmd),
+        std=os.getenv("RLX_CXX_STD") or cxx_standard(torch.__version__),
+        torch_openmp=torch_openmp, torch_lib_dir=torch_lib, use_mps=use_mps,
+        debug=os.getenv("DEBUG", "0") == "1", avx2=os.getenv("RLX_AVX2", "1") == "1",
+        clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1")
+    include_dirs = [os.path.join(ROOT, "csrc", "include")]
+    if use_mps:
+        import embed_metal
+
+        include_dirs.append(embed_metal.generate(ROOT))
     return CppExtension(
         "rlx_torch._C",
         srcs,
         include_dirs=include_dirs,
-        extra_compile_args={"cxx": cxx},
-        extra_link_args=extra_link,
+        extra_compile_args={"cxx": flags["cxx"]},
+        extra_link_args=flags["link"],
     )
 
 
-_write_build_info()
-setup(
-    ext_modules=[_extension()],
-    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
-)
+if __name__ == "__main__":  # setuptools runs this file as __main__ (setup.py and PEP 517 alike)
+    _write_build_info()
+    setup(
+        ext_modules=[_extension()],
+        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    )

@@ -145,7 +145,8 @@ def pick_threads(requested: int | None) -> int:
         return requested
     default = torch.get_num_threads()
     try:
-        cores = len(os.sched_getaffinity(0))
+        # macOS has no sched_getaffinity: every core is available there
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         idle = cores - os.getloadavg()[0]
     except (AttributeError, OSError):  # no load average on this platform
         return default

@@ -10,9 +10,9 @@ if [ ! -x .venv/bin/python ]; then
 fi
 # Install torch first and on its own, so that no later step can pull another (CUDA) build.
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
-  .venv/bin/pip install -q --disable-pip-version-check "$TORCH_SPEC"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 fi
-.venv/bin/pip install -q --disable-pip-version-check \
+.venv/bin/python -m pip install -q --disable-pip-version-check \
   "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
 # In-place build (incremental); scripts/check_wheel.sh covers `pip install`/wheels.
 PYTHON=.venv/bin/python bash scripts/build_dev.sh

@@ -30,7 +30,7 @@ def test_short_run_writes_artifacts_and_learns(tmp_path, capsys):
     assert summary["last_train_bpb"] < summary["first_train_bpb"] - 1.0
     assert summary["trained_bpb"] < summary["first_train_bpb"] - 1.0
     assert all(v < 8.5 for k, v in summary.items() if k.endswith("_bpb"))
-    assert summary["device"] == "cpu"
+    assert summary["device"] == demo.pick_device("auto").type  # mps on a Mac, cpu here
     # the checkpoint restores the trained float model
     ckpt = torch.load(out / "checkpoint.pt", weights_only=True)
     model = demo.GDNLanguageModel(demo.GDNConfig(**ckpt["config"]))
@@ -105,12 +105,21 @@ def test_module_entry_point_help():
         assert "--steps" in result.stdout and "--out" in result.stdout
 
 
-def test_device_choice():
+def test_device_choice(monkeypatch):
     assert demo.pick_device("auto").type in ("cpu", "cuda", "mps")
     assert demo.pick_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="--device cuda: CUDA is not available"):
             demo.pick_device("cuda")
+    # a Mac: auto picks mps when torch has it and this build has MPS kernels, else cpu
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(demo, "_has_native_kernels", lambda key: key == "MPS")
+    assert demo.pick_device("auto") == torch.device("mps")
+    monkeypatch.setattr(demo, "_has_native_kernels", lambda key: False)
+    assert demo.pick_device("auto") == torch.device("cpu")
+    with pytest.raises(SystemExit, match="no MPS kernels"):
+        demo.pick_device("mps")
 
 
 def test_thread_choice(monkeypatch):
@@ -120,7 +129,15 @@ def test_thread_choice(monkeypatch):
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (64.0, 0.0, 0.0))
     assert demo.pick_threads(None) == 1  # a saturated machine: one thread
     monkeypatch.setattr(demo.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
-    assert demo.pick_threads(None) == min(default, len(os.sched_getaffinity(0)))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    assert demo.pick_threads(None) == min(default, cores)
+    # macOS: no sched_getaffinity, and the load average still counts
+    monkeypatch.delattr(demo.os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(demo.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (1.7, 0.0, 0.0))
+    assert demo.pick_threads(None) == 1
+    monkeypatch.setattr(demo.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+    assert demo.pick_threads(None) == min(default, 2)
 
 
 def test_corpus_is_shipped_with_attribution():

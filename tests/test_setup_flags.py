@@ -1,0 +1,174 @@
+"""setup.py's per-platform build logic, checked from any platform: the macOS arm64 build
+(sources, OpenMP from torch's libomp, arm64 only), Linux with GCC or clang, and aarch64."""
+
+import glob
+import importlib.util
+import os
+import platform
+import sys
+import tarfile
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCH_LIB = "/site/torch/lib"
+UNIVERSAL2 = "-arch arm64 -arch x86_64"
+
+
+def _load_setup(name="rlx_setup_under_test"):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "setup.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # not __main__: defines the functions, builds nothing
+    return module
+
+
+@pytest.fixture(scope="module")
+def rlx_setup():
+    return _load_setup()
+
+
+def _macos(rlx_setup, **kw):
+    args = dict(std="c++17", torch_openmp=True, torch_lib_dir=TORCH_LIB, use_mps=True)
+    args.update(kw)
+    return rlx_setup.build_flags("darwin", "arm64", "clang", **args)
+
+
+def _files(pattern):
+    return sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
+
+
+def test_macos_sources_add_the_metal_host_code(rlx_setup):
+    srcs, use_mps = rlx_setup.source_files(ROOT, "darwin", mps_built=True)
+    mm = _files("csrc/mps/*.mm")
+    assert use_mps and mm and set(mm) <= set(srcs)
+    assert set(srcs) == set(_files("csrc/*.cpp") + _files("csrc/cpu/*.cpp") + mm)
+    assert "csrc/ops.cpp" in srcs
+    # without MPS in torch, or off macOS, the host code is left out
+    for system, built in (("darwin", False), ("linux", True)):
+        other, other_mps = rlx_setup.source_files(ROOT, system, mps_built=built)
+        assert not other_mps and not set(mm) & set(other)
+        assert set(other) == set(srcs) - set(mm)
+
+
+def test_macos_links_torchs_libomp_with_an_rpath(rlx_setup):
+    flags = _macos(rlx_setup)
+    cxx, link = flags["cxx"], flags["link"]
+    # Apple's clang takes OpenMP only through the preprocessor; a bare -fopenmp is an error
+    i = cxx.index("-fopenmp")
+    assert cxx[i - 1] == "-Xpreprocessor" and cxx.count("-fopenmp") == 1
+    assert "-fopenmp" not in link
+    assert f"-L{TORCH_LIB}" in link and "-lomp" in link
+    assert link.index(f"-L{TORCH_LIB}") < link.index("-lomp")
+    # installed (rlx_torch next to torch in site-packages) and in place (torch's own path)
+    assert "-Wl,-rpath,@loader_path/../torch/lib" in link
+    assert f"-Wl,-rpath,{TORCH_LIB}" in link
+    assert link[:4] == ["-framework", "Metal", "-framework", "Foundation"]
+    assert "-std=c++17" in cxx and "-O3" in cxx and "-Wall" in cxx and "-Wextra" in cxx
+    # no x86 flags on Apple silicon
+    assert not {"-mavx2", "-mfma", "-falign-loops=32"} & set(cxx)
+
+
+def test_macos_without_openmp_or_mps(rlx_setup):
+    flags = _macos(rlx_setup, torch_openmp=False, use_mps=False)
+    assert "-fopenmp" not in flags["cxx"] and "-lomp" not in flags["link"]
+    assert "-framework" not in flags["link"]
+
+
+def test_linux_gcc_uses_fopenmp_and_x86_flags(rlx_setup):
+    flags = rlx_setup.build_flags("linux", "x86_64", "gcc", std="c++20", torch_openmp=True,
+                                  torch_lib_dir=TORCH_LIB, use_mps=False)
+    assert flags["cxx"].count("-fopenmp") == 1 and flags["link"] == ["-fopenmp"]
+    assert "-Xpreprocessor" not in flags["cxx"]
+    assert {"-mavx2", "-mfma", "-falign-loops=32", "-std=c++20"} <= set(flags["cxx"])
+    no_avx2 = rlx_setup.build_flags("linux", "x86_64", "gcc", std="c++20", torch_openmp=True,
+                                    torch_lib_dir=TORCH_LIB, use_mps=False, avx2=False)
+    assert "-mavx2" not in no_avx2["cxx"] and "-mfma" not in no_avx2["cxx"]
+
+
+def test_linux_aarch64_has_no_x86_flags(rlx_setup):
+    flags = rlx_setup.build_flags("linux", "aarch64", "gcc", std="c++17", torch_openmp=True,
+                                  torch_lib_dir=TORCH_LIB, use_mps=False)
+    assert not any(f.startswith(("-mavx", "-mfma", "-falign-loops")) for f in flags["cxx"])
+    assert "-fopenmp" in flags["cxx"]
+
+
+def test_linux_clang_with_openmp_is_refused_unless_asked(rlx_setup):
+    with pytest.raises(SystemExit, match="Build with GCC on Linux") as exc:
+        rlx_setup.build_flags("linux", "x86_64", "clang", std="c++17", torch_openmp=True,
+                              torch_lib_dir=TORCH_LIB, use_mps=False)
+    assert "libgomp" in str(exc.value) and "RLX_CLANG_OPENMP=1" in str(exc.value)
+    flags = rlx_setup.build_flags("linux", "x86_64", "clang", std="c++17", torch_openmp=True,
+                                  torch_lib_dir=TORCH_LIB, use_mps=False, clang_openmp=True)
+    assert "-fopenmp" in flags["cxx"] and "-fopenmp" in flags["link"]
+
+
+def test_cxx_standard_follows_torch():
+    rlx_setup = _load_setup()
+    assert rlx_setup.cxx_standard("2.5.0") == "c++17"
+    assert rlx_setup.cxx_standard("2.9.1+cpu") == "c++17"
+    assert rlx_setup.cxx_standard("2.10.0") == "c++20"
+    assert rlx_setup.cxx_standard("2.13.0+cpu") == "c++20"
+    assert rlx_setup.cxx_standard("3.0.0") == "c++20"
+
+
+def test_this_platforms_extension_matches_the_plan(rlx_setup):
+    ext = rlx_setup._extension()
+    cxx = ext.extra_compile_args["cxx"]
+    assert any(f.startswith("-std=c++") for f in cxx)  # explicit, not torch's default
+    if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
+        assert "-fopenmp" in cxx and "-fopenmp" in ext.extra_link_args
+    if platform.machine() not in ("x86_64", "AMD64"):
+        assert "-mavx2" not in cxx
+
+
+def test_macos_builds_arm64_only(monkeypatch):
+    from distutils import sysconfig
+
+    # A universal2 Python: the flags distutils makes the compiler and linker commands from.
+    universal2 = {"CFLAGS": f"-O3 {UNIVERSAL2} -fwrapv", "LDFLAGS": UNIVERSAL2,
+                  "LDSHARED": f"clang -bundle -undefined dynamic_lookup {UNIVERSAL2}",
+                  "CC": "clang", "CXX": "clang++", "SIZEOF_VOID_P": 8}
+    monkeypatch.setattr(sysconfig, "_config_vars", dict(universal2))
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(platform, "machine", lambda: "arm64")
+    _load_setup("rlx_setup_darwin")
+    fixed = sysconfig.get_config_vars()
+    for key in ("CFLAGS", "LDFLAGS", "LDSHARED"):
+        assert "x86_64" not in fixed[key] and fixed[key].count("-arch arm64") == 1, key
+    assert fixed["CFLAGS"].startswith("-O3 -fwrapv")
+    assert fixed["LDSHARED"].startswith("clang -bundle -undefined dynamic_lookup")
+    assert fixed["CC"] == "clang" and fixed["SIZEOF_VOID_P"] == 8
+    # an x86_64 Python (Rosetta) is refused with the reason
+    monkeypatch.setattr(sysconfig, "_config_vars", dict(universal2))
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    with pytest.raises(SystemExit, match="arm64"):
+        _load_setup("rlx_setup_rosetta")
+
+
+def test_sdist_holds_every_source(tmp_path):
+    """The sdist builds the extension on its own: csrc/ (C++, headers, .mm, .metal), tools/."""
+    import subprocess
+
+    # a fresh egg-info outside the tree: a stale SOURCES.txt would stand in for MANIFEST.in
+    egg_base = tmp_path / "egg"
+    egg_base.mkdir()
+    command = [sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(egg_base),
+               "sdist", "-d", str(tmp_path)]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    (archive,) = tmp_path.glob("*.tar.gz")
+    with tarfile.open(archive) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+    wanted = set()
+    for folder in ("csrc", "tools"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, folder)):
+            if "__pycache__" not in dirpath:
+                wanted |= {os.path.relpath(os.path.join(dirpath, f), ROOT) for f in files}
+    wanted |= {"setup.py", "pyproject.toml", "README.md", "LICENSE-MIT", "LICENSE-APACHE"}
+    assert any(n.endswith(".metal") for n in wanted) and any(n.endswith(".mm") for n in wanted)
+    assert any(n.endswith(".h") for n in wanted)
+    missing = sorted(wanted - names)
+    assert not missing, f"missing from the sdist: {missing}"
+    # generated and build files stay out
+    assert not any(n.startswith(("build/", ".venv/")) or n.endswith((".so", ".o")) for n in names)
