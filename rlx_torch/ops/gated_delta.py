@@ -24,7 +24,8 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Unused slots are zero. ``chunk_size=0`` keeps no checkpoints
+    ``n + bos_n // C + j``. Unused slots are zero but for the tag (CPU: the first 4 bytes
+    of the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
     (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
@@ -266,6 +267,13 @@ class GatedDeltaRuleFunctorch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_final_state, _grad_checkpoints, _grad_vw):
         return _backward(ctx, grad_o, grad_final_state)
+
+    @staticmethod
+    def jvp(ctx, *tangents):  # (jacfwd over a grad transform reaches here, e.g. hessian)
+        names = ("q", "k", "v", "g", "beta", "initial_state")
+        given = tangents[:5] + tangents[6:7]
+        raise RuntimeError(_NO_FORWARD_AD.format(", ".join(
+            n for n, t in zip(names, given, strict=True) if t is not None)))
 
 
 @torch.library.register_fake("rlx::gated_delta_l2norm_fwd")
