@@ -24,7 +24,8 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Unused slots are zero. ``chunk_size=0`` keeps no checkpoints
+    ``n + bos_n // C + j``. Unused slots are zero but for the tag (CPU: the first 4 bytes
+    of the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
     (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
@@ -41,10 +42,14 @@ grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
     recomputed). Returns one flat acc buffer:
     dq ``[B,T,H,K]``, dk ``[B,T,H,K]``, dv ``[B,T,HV,V]``, dg (g's shape), dbeta ``[B,T,HV]``,
     then d_initial_state ``[N,HV,K,V]`` when initial_state is given; dq and dk are those of
-    the raw q and k when ``l2norm_eps`` is given (as it was to the forward). Offsets come from
-    ``rlx::gated_delta_bwd_layout`` (the C++ GdnBackwardLayout), never from Python
-    arithmetic. (The op returns the buffer rather than views into it because custom-op
-    outputs must not alias each other under torch.compile.)
+    the raw q and k when ``l2norm_eps`` is given (as it was to the forward). The layout is the
+    C++ GdnBackwardLayout (``rlx::gated_delta_bwd_layout`` returns its offsets); since every
+    slice is its input's gradient, contiguous and in order, :func:`unpack_gradients` splits
+    it by the inputs' own element counts, which stay symbolic under dynamic shapes. (The op
+    returns the buffer rather than views into it because custom-op outputs must not alias
+    each other under torch.compile.) The forward tags its checkpoints with what the backward
+    must be given alike (chunk_size, l2norm_eps, whether vw was kept); the CPU backward
+    rejects checkpoints whose tag does not match its arguments.
 
 ``rlx::gated_delta_bwd_layout(B, T, H, HV, K, V, N, gate_per_channel, has_initial_state)
 -> [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]``
@@ -56,10 +61,12 @@ formula in PyTorch ops): fla's ``y = x / sqrt(sum(x^2, -1) + eps)`` in x's dtype
 ``[x.shape[:-1]]`` in acc.
 """
 
-import functools
+import numbers
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
+import torch.autograd.forward_ad as fwAD
+
+from . import _gated_delta_checks as _checks
 
 __all__ = ["gated_delta_rule", "l2norm"]
 
@@ -71,52 +78,37 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-# Shape arithmetic comes from the C++ header through ops that take no tensors. They run
-# eagerly even while tracing (constant results for torch.compile, outside any dispatch
-# mode for AOT tracing), so graphs only see the resulting constant offsets.
-@functools.lru_cache(maxsize=256)
-def _bwd_layout_cached(*args):
-    with _disable_current_modes():
-        return tuple(torch.ops.rlx.gated_delta_bwd_layout(*args))
-
-
-@torch.compiler.assume_constant_result
-def _bwd_layout_flat(B, T, H, HV, K, V, N, per_channel, has_state):
-    return _bwd_layout_cached(B, T, H, HV, K, V, N, per_channel, has_state)
-
-
 def _bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state):
-    """{slice name: (offset, numel), "total": n} of the packed backward buffer."""
-    flat = _bwd_layout_flat(B, T, H, HV, K, V, N, per_channel, has_state)
+    """{slice name: (offset, numel), "total": n} of the packed backward buffer, from the C++
+    header (GdnBackwardLayout), for checking that the split below matches it."""
+    flat = torch.ops.rlx.gated_delta_bwd_layout(B, T, H, HV, K, V, N, per_channel, has_state)
     layout = {name: (flat[2 * i], flat[2 * i + 1]) for i, name in enumerate(_SLICES)}
     layout["total"] = flat[-1]
     return layout
 
 
-@functools.lru_cache(maxsize=256)
-def _checkpoint_slots_cached(*args):
-    with _disable_current_modes():
-        return torch.ops.rlx.gated_delta_checkpoint_slots(*args)
-
-
-@torch.compiler.assume_constant_result
 def _checkpoint_slots(N, tokens, chunk_size):
-    return _checkpoint_slots_cached(N, tokens, chunk_size)
+    """gdn_checkpoint_slots (gdn_backward_layout.h) on possibly symbolic sizes (the fakes'
+    shapes under torch.compile(dynamic=True)); test_checkpoint_slots_match_the_header holds
+    the two to the same values."""
+    return N + (tokens + chunk_size - 1) // chunk_size if chunk_size > 0 else 0
 
 
 def _num_states(q, cu_seqlens):
-    return int(cu_seqlens.shape[0]) - 1 if cu_seqlens is not None else int(q.shape[0])
+    return cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
 
 
 @torch.library.register_fake("rlx::gated_delta_fwd")
 def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
               l2norm_eps=None):
+    op = "rlx::gated_delta_fwd"
+    N = _checks.check_inputs(op, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    _check_l2norm_eps(op, l2norm_eps)
     B, T, _, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    N = _num_states(q, cu_seqlens)
     acc = _acc_dtype(q.dtype)
-    slots = _checkpoint_slots(N, int(B) * int(T), int(chunk_size))
-    o = v.new_empty(v.shape)
+    slots = _checkpoint_slots(N, B * T, chunk_size)
+    o = v.new_empty(v.shape)  # contiguous, like the kernels' at::empty_like of a contiguous v
     final_state = q.new_empty((N, HV, K, V), dtype=acc)
     checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
     # gdn_keeps_vw (the CPU kernels; meta tensors stand in for CPU ones); MPS keeps none
@@ -128,29 +120,107 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
 @torch.library.register_fake("rlx::gated_delta_bwd")
 def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints, grad_o,
               grad_final_state, chunk_size=64, l2norm_eps=None, vw=None):
-    layout = _layout_for(q, v, g, initial_state, cu_seqlens)
-    return q.new_empty((layout["total"],), dtype=_acc_dtype(q.dtype))
+    op = "rlx::gated_delta_bwd"
+    _check_l2norm_eps(op, l2norm_eps)
+    N = _checks.check_inputs(op, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size)
+    slots = _checkpoint_slots(N, q.shape[0] * q.shape[1], chunk_size)
+    _checks.check_backward_inputs(op, q, v, N, slots, checkpoints, grad_o, grad_final_state,
+                                  chunk_size, vw)
+    return q.new_empty((sum(_slice_numels(q, v, g, initial_state)),), dtype=_acc_dtype(q.dtype))
 
 
-def _layout_for(q, v, g, initial_state, cu_seqlens):
-    B, T, H, K = (int(s) for s in q.shape)
-    HV, V = int(v.shape[2]), int(v.shape[3])
-    return _bwd_layout(B, T, H, HV, K, V, _num_states(q, cu_seqlens), g.dim() == 4,
-                       initial_state is not None)
+def _check_l2norm_eps(op, l2norm_eps):
+    # check_l2norm_eps (csrc/cpu/l2norm_row.h)
+    if l2norm_eps is not None and not (l2norm_eps >= 0 and l2norm_eps < float("inf")):
+        raise RuntimeError(
+            f"{op}: l2norm_eps must be None or a finite number >= 0, got {l2norm_eps}")
+
+
+def _slice_numels(q, v, g, initial_state):
+    """Element counts of the packed buffer's slices, in order: each gradient has its input's
+    shape (GdnBackwardLayout; test_backward_layout_tiles_buffer holds the header to it).
+    Taken from the inputs themselves, so they stay symbolic under dynamic shapes."""
+    beta_numel = g.numel() // g.shape[3] if g.dim() == 4 else g.numel()
+    dstate = initial_state.numel() if initial_state is not None else 0
+    return [q.numel(), q.numel(), v.numel(), g.numel(), beta_numel, dstate]
 
 
 def unpack_gradients(packed, q, v, g, initial_state, cu_seqlens):
     """Views of ``rlx::gated_delta_bwd``'s packed buffer: (dq, dk, dv, dg, dbeta, dstate).
     The slices tile the buffer in this order from offset 0 (GdnBackwardLayout; tested by
     test_backward_layout_tiles_buffer), so one split cuts them all."""
-    layout = _layout_for(q, v, g, initial_state, cu_seqlens)
-    N = _num_states(q, cu_seqlens)
     shapes = [q.shape, q.shape, v.shape, g.shape, g.shape[:3]]
-    if initial_state is not None:
-        shapes.append((N, v.shape[2], q.shape[3], v.shape[3]))
-    parts = packed.split([layout[name][1] for name in _SLICES[:len(shapes)]])
+    numels = _slice_numels(q, v, g, initial_state)
+    if initial_state is None:
+        numels = numels[:5]
+    else:
+        shapes.append(initial_state.shape)
+    parts = packed.split(numels)
     views = tuple(part.view(shape) for part, shape in zip(parts, shapes, strict=True))
     return views if initial_state is not None else views + (None,)
+
+
+_NO_FORWARD_AD = (
+    "gated_delta_rule does not support forward-mode AD (torch.func.jvp, jacfwd, "
+    "torch.autograd.forward_ad): its inputs {} carry tangents. Use reverse mode "
+    "(backward, torch.autograd.grad, torch.func.grad, vjp or jacrev).")
+_NO_DOUBLE_BACKWARD = (
+    "gated_delta_rule does not support double backward: its backward is a native kernel "
+    "that is not differentiable, so gradients of its gradients (create_graph=True with "
+    "{} requiring grad, e.g. a gradient penalty, or torch.func.hessian) would come back "
+    "wrong. Differentiate once, or use rlx_torch.ops.reference.gated_delta_rule for "
+    "higher-order gradients.")
+
+
+def _differentiable(t):
+    """Whether autograd would differentiate through t beyond the current backward. A
+    torch.func grad transform (grad, vjp, jacrev) runs backward with create_graph=True and
+    saves its own wrappers, which require grad at its level: what counts is whether the
+    wrapped tensor is tracked by an outer grad transform (jacrev(jacrev), grad(grad))."""
+    functorch = torch._C._functorch
+    if functorch.is_gradtrackingtensor(t):
+        return functorch.is_gradtrackingtensor(functorch.get_unwrapped(t))
+    return t.requires_grad
+
+
+def _check_not_differentiated(named):
+    """Raises where the backward's own result would be differentiated: its kernel is not
+    differentiable, and autograd would silently treat it as a constant."""
+    differentiated = _with_tangents(named)  # forward AD over the backward (jacfwd(jacrev))
+    if not differentiated and torch.is_grad_enabled():  # create_graph=True
+        differentiated = [n for n, t in named if t is not None and _differentiable(t)]
+    if differentiated:
+        raise RuntimeError(_NO_DOUBLE_BACKWARD.format(", ".join(differentiated)))
+
+
+def _backward(ctx, grad_o, grad_final_state):
+    q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw = ctx.saved_tensors
+    _check_not_differentiated((("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                               ("initial_state", initial_state), ("grad_o", grad_o),
+                               ("grad_final_state", grad_final_state)))
+    if grad_o is None:
+        grad_o = torch.zeros_like(v)
+    elif grad_o.dtype != v.dtype:
+        grad_o = grad_o.to(v.dtype)
+    packed = torch.ops.rlx.gated_delta_bwd(
+        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints, grad_o,
+        grad_final_state, ctx.chunk_size, ctx.l2norm_eps, vw)
+    dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
+                                                     cu_seqlens)
+    if q.dtype != packed.dtype:  # 16-bit inputs: gradients in the inputs' dtype
+        dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq, dk, dv, dg, dbeta, None, dstate, None, None, None
+
+
+def _save(ctx, inputs, outputs):
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps = inputs
+    _, _, checkpoints, vw = outputs
+    ctx.scale, ctx.chunk_size, ctx.l2norm_eps = scale, chunk_size, l2norm_eps
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw)
+    ctx.mark_non_differentiable(checkpoints, vw)
+    # Unused outputs (final_state when not returned, the checkpoints, vw) get None rather than
+    # materialized zeros: 2 MiB of zero-filled checkpoint gradient per call at T = 2048.
+    ctx.set_materialize_grads(False)
 
 
 class GatedDeltaRuleFunction(torch.autograd.Function):
@@ -160,36 +230,50 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
 
     Written with ``ctx`` in ``forward`` rather than a ``setup_context``: ``apply`` then skips
     binding the arguments through ``inspect.signature``, about a quarter of a whole T = 16
-    forward+backward step on the CPU (258 -> 192 us)."""
+    forward+backward step on the CPU (258 -> 192 us). torch.func transforms need a
+    ``setup_context``: under them :class:`GatedDeltaRuleFunctorch` runs instead. No ``jvp``
+    (torch.compile does not trace Functions that define one): forward-mode AD raises, in
+    gated_delta_rule, and autograd's own error for a Function without one."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                 l2norm_eps):
-        o, final_state, checkpoints, vw = torch.ops.rlx.gated_delta_fwd(
-            q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps)
-        ctx.scale, ctx.chunk_size, ctx.l2norm_eps = scale, chunk_size, l2norm_eps
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw)
-        ctx.mark_non_differentiable(checkpoints, vw)
-        # Unused outputs (final_state when not returned, the checkpoints, vw) get None rather than
-        # materialized zeros: 2 MiB of zero-filled checkpoint gradient per call at T = 2048.
-        ctx.set_materialize_grads(False)
-        return o, final_state, checkpoints, vw
+        inputs = (q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps)
+        outputs = torch.ops.rlx.gated_delta_fwd(*inputs)
+        _save(ctx, inputs, outputs)
+        return outputs
 
     @staticmethod
     def backward(ctx, grad_o, grad_final_state, _grad_checkpoints, _grad_vw):
-        q, k, v, g, beta, initial_state, cu_seqlens, checkpoints, vw = ctx.saved_tensors
-        if grad_o is None:
-            grad_o = torch.zeros_like(v)
-        elif grad_o.dtype != v.dtype:
-            grad_o = grad_o.to(v.dtype)
-        packed = torch.ops.rlx.gated_delta_bwd(
-            q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints, grad_o,
-            grad_final_state, ctx.chunk_size, ctx.l2norm_eps, vw)
-        dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
-                                                         cu_seqlens)
-        if q.dtype != packed.dtype:  # 16-bit inputs: gradients in the inputs' dtype
-            dq, dk, dv = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-        return dq, dk, dv, dg, dbeta, None, dstate, None, None, None
+        return _backward(ctx, grad_o, grad_final_state)
+
+
+class GatedDeltaRuleFunctorch(torch.autograd.Function):
+    """:class:`GatedDeltaRuleFunction` in the form torch.func transforms take (``grad``,
+    ``vjp``, ``jacrev``; ``vmap`` through the generated rule, which runs the op once per
+    batch element)."""
+
+    generate_vmap_rule = True
+
+    @staticmethod
+    def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps):
+        return torch.ops.rlx.gated_delta_fwd(q, k, v, g, beta, scale, initial_state,
+                                             cu_seqlens, chunk_size, l2norm_eps)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _save(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_final_state, _grad_checkpoints, _grad_vw):
+        return _backward(ctx, grad_o, grad_final_state)
+
+    @staticmethod
+    def jvp(ctx, *tangents):  # (jacfwd over a grad transform reaches here, e.g. hessian)
+        names = ("q", "k", "v", "g", "beta", "initial_state")
+        given = tangents[:5] + tangents[6:7]
+        raise RuntimeError(_NO_FORWARD_AD.format(", ".join(
+            n for n, t in zip(names, given, strict=True) if t is not None)))
 
 
 @torch.library.register_fake("rlx::gated_delta_l2norm_fwd")
@@ -223,10 +307,25 @@ class L2NormFunction(torch.autograd.Function):
         return torch.ops.rlx.gated_delta_l2norm_bwd(grad_y.contiguous(), x, rstd), None
 
 
+def _with_tangents(named):
+    """Names of the tensors that carry a forward-mode tangent (forward AD or torch.func.jvp)."""
+    if torch.autograd.forward_ad._current_level < 0:  # no dual level: nothing to unpack
+        return []
+    return [name for name, t in named
+            if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None]
+
+
 def l2norm(x, eps=L2NORM_EPS):
     """fla's l2norm: ``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (float64 for
-    float64 input) and returned in x's dtype. Native on CPU (one op each way)."""
-    if x.device.type == "cpu":
+    float64 input) and returned in x's dtype. Native on CPU (one op each way); elsewhere, and
+    for forward-mode AD, plain PyTorch ops.
+
+    Example:
+        >>> y = l2norm(torch.randn(2, 5, 3, 8))
+        >>> bool(torch.allclose(y.norm(dim=-1), torch.ones(2, 5, 3), atol=1e-5))
+        True
+    """
+    if x.device.type == "cpu" and not _with_tangents((("x", x),)):
         if not (x.requires_grad and torch.is_grad_enabled()):
             # The op directly: Function.apply costs ~25 us a call (it binds the arguments
             # with inspect.signature), 6x the op itself at a decode step's T = 1.
@@ -268,29 +367,56 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
 
     Returns:
         ``(o, final_state or None)``; o has v's shape and dtype; state math is float32.
+
+    Reverse-mode autograd (also torch.func.grad/vjp/jacrev and vmap) is supported;
+    forward-mode AD and double backward raise a clear error.
+
+    Example:
+        >>> B, T, H, K, V = 1, 6, 2, 8, 4
+        >>> q = torch.randn(B, T, H, K)
+        >>> k = torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> v, beta = torch.randn(B, T, H, V), torch.rand(B, T, H)
+        >>> g = torch.nn.functional.logsigmoid(torch.randn(B, T, H))
+        >>> o, state = gated_delta_rule(q, k, v, g, beta, output_final_state=True)
+        >>> o.shape, state.shape
+        (torch.Size([1, 6, 2, 4]), torch.Size([1, 2, 8, 4]))
     """
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
         raise TypeError("gated_delta_rule: q, k and v must be tensors")
     if q.dim() != 4:
         raise ValueError(f"gated_delta_rule: q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    acc = _acc_dtype(q.dtype)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"gated_delta_rule: chunk_size must be an int >= 1, got {chunk_size!r}")
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        # (K = 0 is left to the op's check of K, which names it)
+        scale = q.shape[-1] ** -0.5 if q.shape[-1] > 0 else 1.0
+    elif isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError("gated_delta_rule: scale must be a real number (or None for K ** -0.5), "
+                        f"got {type(scale).__name__}")
+    elif not float("-inf") < scale < float("inf"):
+        raise ValueError(f"gated_delta_rule: scale must be finite, got {scale}")
+    acc = _acc_dtype(q.dtype)
     g, beta = _as_acc("g", g, acc), _as_acc("beta", beta, acc)
     initial_state = _as_acc("initial_state", initial_state, acc, required=False)
-    tensors = (q, k, v, g, beta, initial_state)
+    named = (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+             ("initial_state", initial_state))
+    tangents = _with_tangents(named)
+    if tangents:
+        raise RuntimeError(_NO_FORWARD_AD.format(", ".join(tangents)))
     needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in tensors)
+        t is not None and t.requires_grad for _, t in named)
     on_cpu = q.device.type == "cpu"
     l2norm_eps = None
     if use_qk_l2norm and on_cpu:
         l2norm_eps = L2NORM_EPS  # inside the ops: q and k rows are normalized as they are read
     elif use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    if needs_grad or not on_cpu:
+    if torch._C._are_functorch_transforms_active():
+        o, final_state, _, _ = GatedDeltaRuleFunctorch.apply(
+            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, chunk_size, l2norm_eps)
+    elif needs_grad or not on_cpu:
         o, final_state, _, _ = GatedDeltaRuleFunction.apply(
-            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, int(chunk_size),
-            l2norm_eps)
+            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, chunk_size, l2norm_eps)
     else:  # inference: no checkpoints (saves O(T / C * K * V) memory per head)
         o, final_state, _, _ = torch.ops.rlx.gated_delta_fwd(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0, l2norm_eps)
