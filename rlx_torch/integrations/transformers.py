@@ -212,7 +212,7 @@ def enable(import_families: bool = True) -> list[str]:
 
         >>> import rlx_torch.integrations.transformers as rlx_hf
         >>> names = rlx_hf.enable()
-        >>> "transformers.models.qwen3_next.modeling_qwen3_next.torch_chunk_gated_delta_rule" in names
+        >>> any(n.endswith("qwen3_next.torch_chunk_gated_delta_rule") for n in names)
         True
         >>> rlx_hf.disable()
     """
