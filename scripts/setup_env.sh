@@ -19,3 +19,8 @@ PYTHON=.venv/bin/python bash scripts/build_dev.sh
 # Put the source tree on the venv's path so benchmarks and examples import the in-place build.
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 pwd > "$SITE/rlx_torch_dev.pth"
+# transformers (tests/test_integrations_transformers.py, benchmarks/bench_transformers.py) and
+# einops (fla's naive references, read from the fla-core wheel by tests/test_compat_fla.py);
+# neither depends on torch, so no other torch build can come in.
+.venv/bin/pip install -q --disable-pip-version-check transformers==5.24.0 einops==0.8.2
+.venv/bin/python tests/fla_reference.py --download || echo "fla-core wheel not available; tests/test_compat_fla.py will skip its fla comparisons"
