@@ -1,0 +1,1 @@
+"""Bridges to other libraries' models and checkpoints (``aqlm``: AQLM checkpoints)."""
