@@ -14,6 +14,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check \
   "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
+# AQLM checkpoints (rlx_torch.integrations.aqlm) and their tests; aqlm's CPU layer (numba) is
+# the tests' second reference. aqlm needs torch: the one installed above satisfies it.
+.venv/bin/pip install -q --disable-pip-version-check transformers==5.24.0 safetensors==0.8.0 "aqlm[cpu]==1.1.7"
 # In-place build (incremental); scripts/check_wheel.sh covers `pip install`/wheels.
 PYTHON=.venv/bin/python bash scripts/build_dev.sh
 # Put the source tree on the venv's path so benchmarks and examples import the in-place build.
