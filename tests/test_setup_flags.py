@@ -169,3 +169,18 @@ def test_sdist_holds_every_source(tmp_path):
     assert not missing, f"missing from the sdist: {missing}"
     # generated and build files stay out
     assert not any(n.startswith(("build/", ".venv/")) or n.endswith((".so", ".o")) for n in names)
+
+
+def test_cross_build_finds_the_wheels_bundled_openmp_and_version(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import cross_build
+
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    (torch_dir / "version.py").write_text("__version__ = '2.9.1+cpu'\ngit_version = 'x'\n")
+    assert cross_build._torch_version(str(torch_dir)) == "2.9.1+cpu"
+    assert cross_build._openmp_runtime(str(torch_dir)) is None  # torch/lib's own libgomp.so.1
+    (tmp_path / "torch.libs").mkdir()
+    bundled = tmp_path / "torch.libs" / "libgomp-a49a47f9.so.1.0.0"
+    bundled.write_bytes(b"")
+    assert cross_build._openmp_runtime(str(torch_dir)) == str(bundled)
