@@ -107,16 +107,15 @@ LINUX_CLANG_OPENMP = (
 
 
 def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_openmp: bool,
-                torch_lib_dir: str, use_mps: bool, debug: bool = False, avx2: bool = True,
+                use_mps: bool, debug: bool = False, avx2: bool = True,
                 clang_openmp: bool = False) -> dict[str, list[str]]:
     """Compile ("cxx") and link ("link") arguments for one platform.
 
     system: sys.platform ("linux", "darwin"); machine: platform.machine(); compiler: "gcc" or
-    "clang"; torch_openmp: torch's ATen parallel backend is OpenMP; torch_lib_dir: torch/lib.
+    "clang"; torch_openmp: torch's ATen parallel backend is OpenMP.
 
-    >>> f = build_flags("darwin", "arm64", "clang", std="c++17", torch_openmp=True,
-    ...                 torch_lib_dir="/t/lib", use_mps=True)
-    >>> "-lomp" in f["link"] and "-mavx2" not in f["cxx"]
+    >>> f = build_flags("darwin", "arm64", "clang", std="c++17", torch_openmp=True, use_mps=True)
+    >>> "-Xpreprocessor" in f["cxx"] and "-mavx2" not in f["cxx"]
     True
     """
     cxx = [f"-std={std}"]
@@ -142,11 +141,13 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     # of ours silently runs on one thread.
     if system == "darwin":
         # Apple's clang has no OpenMP driver support, but torch's macOS wheels ship LLVM's
-        # libomp.dylib (torch/lib) and omp.h (torch/include): compile the pragmas and link that
-        # very runtime, found next to torch once installed and at its build-time path in place.
+        # libomp.dylib (torch/lib) and omp.h (torch/include). Compile the pragmas, and bind the
+        # OpenMP calls at load time to the libomp that libtorch_cpu has already loaded: linking
+        # -lomp would record libomp's install name, which is @rpath/libomp.dylib up to torch
+        # 2.11 but /opt/llvm-openmp/lib/libomp.dylib (a path on torch's build machine) in 2.13,
+        # and a second copy of the runtime must never be loaded beside torch's.
         cxx += ["-Xpreprocessor", "-fopenmp"]
-        link += [f"-L{torch_lib_dir}", "-lomp", "-Wl,-rpath,@loader_path/../torch/lib",
-                 f"-Wl,-rpath,{torch_lib_dir}"]
+        link += ["-Wl,-undefined,dynamic_lookup"]
     elif system.startswith("linux"):
         if compiler == "clang" and not clang_openmp:
             raise SystemExit(LINUX_CLANG_OPENMP)
@@ -158,15 +159,15 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
 def _extension():
     srcs, use_mps = source_files(ROOT, sys.platform,
                                  sys.platform == "darwin" and torch.backends.mps.is_built())
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     cxx_cmd = os.environ.get("CXX", "c++")
     torch_openmp = "OpenMP" in torch.__config__.parallel_info()
-    if sys.platform == "darwin" and torch_openmp and not glob.glob(f"{torch_lib}/libomp*.dylib"):
-        raise SystemExit(f"this torch uses OpenMP but {torch_lib} has no libomp.dylib to link")
+    torch_include = os.path.join(os.path.dirname(torch.__file__), "include")
+    if sys.platform == "darwin" and torch_openmp and not os.path.exists(f"{torch_include}/omp.h"):
+        raise SystemExit(f"this torch uses OpenMP but ships no omp.h in {torch_include}")
     flags = build_flags(
         sys.platform, platform.machine(), compiler_family(cxx_cmd),
         std=os.getenv("RLX_CXX_STD") or cxx_standard(torch.__version__),
-        torch_openmp=torch_openmp, torch_lib_dir=torch_lib, use_mps=use_mps,
+        torch_openmp=torch_openmp, use_mps=use_mps,
         debug=os.getenv("DEBUG", "0") == "1", avx2=os.getenv("RLX_AVX2", "1") == "1",
         clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1")
     include_dirs = [os.path.join(ROOT, "csrc", "include")]

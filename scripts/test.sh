@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, lint, the pytest suite, then the wheel check.
+# The whole test suite: set-up, lint, the pytest suite, the clang and arm64 builds and tests,
+# then the wheel check (from the sdist).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh
@@ -13,4 +14,7 @@ if ! command -v clang++ >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
+# clang (Apple's compiler) with -Werror; the CPU kernels for arm64 under qemu (Linux x86-64 only)
+bash scripts/ci_clang.sh
+bash scripts/ci_arm64.sh
 bash scripts/check_wheel.sh

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TORCH_LIB = "/site/torch/lib"
 UNIVERSAL2 = "-arch arm64 -arch x86_64"
 
 
@@ -29,9 +28,14 @@ def rlx_setup():
 
 
 def _macos(rlx_setup, **kw):
-    args = dict(std="c++17", torch_openmp=True, torch_lib_dir=TORCH_LIB, use_mps=True)
+    args = dict(std="c++17", torch_openmp=True, use_mps=True)
     args.update(kw)
     return rlx_setup.build_flags("darwin", "arm64", "clang", **args)
+
+
+def _linux(rlx_setup, machine, compiler, std="c++17", **kw):
+    return rlx_setup.build_flags("linux", machine, compiler, std=std, torch_openmp=True,
+                                 use_mps=False, **kw)
 
 
 def _files(pattern):
@@ -51,18 +55,17 @@ def test_macos_sources_add_the_metal_host_code(rlx_setup):
         assert set(other) == set(srcs) - set(mm)
 
 
-def test_macos_links_torchs_libomp_with_an_rpath(rlx_setup):
+def test_macos_uses_torchs_libomp(rlx_setup):
     flags = _macos(rlx_setup)
     cxx, link = flags["cxx"], flags["link"]
     # Apple's clang takes OpenMP only through the preprocessor; a bare -fopenmp is an error
     i = cxx.index("-fopenmp")
     assert cxx[i - 1] == "-Xpreprocessor" and cxx.count("-fopenmp") == 1
     assert "-fopenmp" not in link
-    assert f"-L{TORCH_LIB}" in link and "-lomp" in link
-    assert link.index(f"-L{TORCH_LIB}") < link.index("-lomp")
-    # installed (rlx_torch next to torch in site-packages) and in place (torch's own path)
-    assert "-Wl,-rpath,@loader_path/../torch/lib" in link
-    assert f"-Wl,-rpath,{TORCH_LIB}" in link
+    # the OpenMP calls bind at load time to the libomp libtorch_cpu loaded: no -lomp, which
+    # would record torch 2.13's /opt/llvm-openmp/lib/libomp.dylib install name, or load a copy
+    assert "-Wl,-undefined,dynamic_lookup" in link
+    assert not any("omp" in f for f in link)
     assert link[:4] == ["-framework", "Metal", "-framework", "Foundation"]
     assert "-std=c++17" in cxx and "-O3" in cxx and "-Wall" in cxx and "-Wextra" in cxx
     # no x86 flags on Apple silicon
@@ -71,35 +74,29 @@ def test_macos_links_torchs_libomp_with_an_rpath(rlx_setup):
 
 def test_macos_without_openmp_or_mps(rlx_setup):
     flags = _macos(rlx_setup, torch_openmp=False, use_mps=False)
-    assert "-fopenmp" not in flags["cxx"] and "-lomp" not in flags["link"]
-    assert "-framework" not in flags["link"]
+    assert "-fopenmp" not in flags["cxx"] and flags["link"] == []
 
 
 def test_linux_gcc_uses_fopenmp_and_x86_flags(rlx_setup):
-    flags = rlx_setup.build_flags("linux", "x86_64", "gcc", std="c++20", torch_openmp=True,
-                                  torch_lib_dir=TORCH_LIB, use_mps=False)
+    flags = _linux(rlx_setup, "x86_64", "gcc", std="c++20")
     assert flags["cxx"].count("-fopenmp") == 1 and flags["link"] == ["-fopenmp"]
     assert "-Xpreprocessor" not in flags["cxx"]
     assert {"-mavx2", "-mfma", "-falign-loops=32", "-std=c++20"} <= set(flags["cxx"])
-    no_avx2 = rlx_setup.build_flags("linux", "x86_64", "gcc", std="c++20", torch_openmp=True,
-                                    torch_lib_dir=TORCH_LIB, use_mps=False, avx2=False)
+    no_avx2 = _linux(rlx_setup, "x86_64", "gcc", std="c++20", avx2=False)
     assert "-mavx2" not in no_avx2["cxx"] and "-mfma" not in no_avx2["cxx"]
 
 
 def test_linux_aarch64_has_no_x86_flags(rlx_setup):
-    flags = rlx_setup.build_flags("linux", "aarch64", "gcc", std="c++17", torch_openmp=True,
-                                  torch_lib_dir=TORCH_LIB, use_mps=False)
+    flags = _linux(rlx_setup, "aarch64", "gcc")
     assert not any(f.startswith(("-mavx", "-mfma", "-falign-loops")) for f in flags["cxx"])
     assert "-fopenmp" in flags["cxx"]
 
 
 def test_linux_clang_with_openmp_is_refused_unless_asked(rlx_setup):
     with pytest.raises(SystemExit, match="Build with GCC on Linux") as exc:
-        rlx_setup.build_flags("linux", "x86_64", "clang", std="c++17", torch_openmp=True,
-                              torch_lib_dir=TORCH_LIB, use_mps=False)
+        _linux(rlx_setup, "x86_64", "clang")
     assert "libgomp" in str(exc.value) and "RLX_CLANG_OPENMP=1" in str(exc.value)
-    flags = rlx_setup.build_flags("linux", "x86_64", "clang", std="c++17", torch_openmp=True,
-                                  torch_lib_dir=TORCH_LIB, use_mps=False, clang_openmp=True)
+    flags = _linux(rlx_setup, "x86_64", "clang", clang_openmp=True)
     assert "-fopenmp" in flags["cxx"] and "-fopenmp" in flags["link"]
 
 
@@ -172,3 +169,18 @@ def test_sdist_holds_every_source(tmp_path):
     assert not missing, f"missing from the sdist: {missing}"
     # generated and build files stay out
     assert not any(n.startswith(("build/", ".venv/")) or n.endswith((".so", ".o")) for n in names)
+
+
+def test_cross_build_finds_the_wheels_bundled_openmp_and_version(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import cross_build
+
+    torch_dir = tmp_path / "torch"
+    torch_dir.mkdir()
+    (torch_dir / "version.py").write_text("__version__ = '2.9.1+cpu'\ngit_version = 'x'\n")
+    assert cross_build._torch_version(str(torch_dir)) == "2.9.1+cpu"
+    assert cross_build._openmp_runtime(str(torch_dir)) is None  # torch/lib's own libgomp.so.1
+    (tmp_path / "torch.libs").mkdir()
+    bundled = tmp_path / "torch.libs" / "libgomp-a49a47f9.so.1.0.0"
+    bundled.write_bytes(b"")
+    assert cross_build._openmp_runtime(str(torch_dir)) == str(bundled)

@@ -50,7 +50,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
       out.view({d.rows, d.out_features}).copy_(raw);
       return;
     }
-    with_tile_shape(d.rows, [&]<int BT, int JT>() {
+    with_tile_shape(d.rows, [&](auto BT, auto JT) {
       lut_forward<scalar_t, acc_t, scalar_t, BT, JT>(d, x2d.data_ptr<scalar_t>(),
                                                      idx.data_ptr<uint8_t>(), C, sp, bp,
                                                      out.data_ptr<scalar_t>());

@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
         raw = dense_raw<acc_t>(d, x2d.to(acc_type), ip, C.data());
       } else {
         raw = at::empty({d.rows, d.out_features}, at::dtype(acc_type));
-        with_tile_shape(d.rows, [&]<int BT, int JT>() {
+        with_tile_shape(d.rows, [&](auto BT, auto JT) {
           lut_forward<scalar_t, acc_t, acc_t, BT, JT>(d, x2d.data_ptr<scalar_t>(), ip, C, nullptr,
                                                       nullptr, raw.data_ptr<acc_t>());
         });
@@ -283,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
       dense_backward<acc_t>(d, gs, x_acc, ip, C.data(), mask[0] ? &dx_acc : nullptr, dc_parts, gpb);
       if (mask[0]) dx.view({d.rows, d.in_features}).copy_(dx_acc);
     } else {
-      with_tile_shape(d.rows, [&]<int BT, int JT>() {
+      with_tile_shape(d.rows, [&](auto BT, auto JT) {
         const int64_t gpb = backward_groups_per_block(d, BT, sizeof(acc_t));
         acc_t* dc_parts = run(gpb);
         lut_backward<scalar_t, acc_t, BT>(d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(),

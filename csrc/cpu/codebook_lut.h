@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 namespace rlx::codebook::cpu {
@@ -362,17 +363,17 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
   });
 }
 
-// Calls f.template operator()<BT, JT>() with the tile shape suited to B rows.
+// Calls f(BT, JT), each a std::integral_constant<int, ...>, with the tile shape suited to B rows.
 template <typename F>
 void with_tile_shape(int64_t B, F&& f) {
   if (B <= 2) {
-    f.template operator()<1, 8>();
+    f(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{});
   } else if (B <= 8) {
-    f.template operator()<8, 4>();
+    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 4>{});
   } else if (B <= 24) {
-    f.template operator()<16, 4>();
+    f(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
   } else {
-    f.template operator()<32, 1>();
+    f(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
   }
 }
 

@@ -226,6 +226,10 @@ inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
   } else {
     _mm256_stream_pd(dst, reinterpret_cast<const __m256d&>(x));
   }
+#elif defined(__aarch64__) && defined(__clang__)
+  // One STNP of two q registers (Apple silicon's compiler is clang; GCC has no such builtin).
+  // Arm orders it like any store, so unlike x86's streaming stores it needs no fence.
+  __builtin_nontemporal_store(x, reinterpret_cast<Vec256<acc_t>*>(dst));
 #else
   store_vec(dst, x);
 #endif

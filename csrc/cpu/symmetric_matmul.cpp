@@ -57,13 +57,13 @@ bool cpu_has_avx512_bf16() {
 #endif
 }
 
+#if RLX_HAVE_AVX512_BF16_PATH
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
 
-#if RLX_HAVE_AVX512_BF16_PATH
 // One k pair of a tile: c[r][v] += a[r][k pair] * b[v] for the 8 rows and kVecs vectors.
 template <int kVecs>
 RLX_AVX512_BF16 inline __attribute__((always_inline)) void tile_step(
