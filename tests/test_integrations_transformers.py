@@ -256,6 +256,13 @@ def test_packed_causal_conv1d(packing):
                                           groups=7)[..., :b - a]) for a, b in bounds if b > a],
                          -1)
     torch.testing.assert_close(y, expected)
+    for T in (2, 20):  # unpacked, also shorter than the kernel: transformers' own result
+        xs = x[..., :T].clone().requires_grad_()
+        y = qwen.causal_conv1d_fn(xs, w, bias, activation="silu")
+        y_fb = qwen.causal_conv1d_fn.rlx_replaces.__wrapped__(xs, w, bias, activation="silu")
+        torch.testing.assert_close(y, y_fb)
+        torch.testing.assert_close(torch.autograd.grad(y.square().sum(), xs),
+                                   torch.autograd.grad(y_fb.square().sum(), xs))
     with pytest.raises(ValueError, match="packed input"):
         qwen.causal_conv1d_fn(x[..., :15], w, bias, activation="silu",
                               cu_seq_lens_q=torch.tensor([0, 20]))
