@@ -132,7 +132,7 @@ def test_cached_decoding(family, reference_kernels):
             out = m(ids[:, :prompt], use_cache=True)
             logits, cache = [out.logits], out.past_key_values
             for t in range(prompt, ids.shape[1]):
-                out = m(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                out = m(ids[:, t:t + 1], cache=cache, use_cache=True)
                 logits.append(out.logits)
                 cache = out.past_key_values
         return torch.cat(logits, 1)
@@ -280,3 +280,16 @@ def test_finetune_example_runs():
     assert any(n.endswith("qwen3_next.torch_chunk_gated_delta_rule") for n in result["patched"])
     assert not rlx_hf.is_enabled()  # the example undoes enable()
     assert result["last_loss"] < result["first_loss"]  # random bytes -> learning the text
+
+
+@pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs MPS")
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_mps_matches_cpu(family):
+    model = build(family)
+    ids = torch.randint(3, VOCAB, (2, 37), generator=torch.Generator().manual_seed(7))
+    rlx_hf.enable()
+    cpu_logits, cpu_grads = run(model, ids)
+    mps_logits, mps_grads = run(model.to("mps"), ids.to("mps"))
+    torch.testing.assert_close(mps_logits.cpu(), cpu_logits, atol=1e-4, rtol=1e-4)
+    for name, g in cpu_grads.items():
+        assert rel(mps_grads[name].cpu(), g) < 1e-4, name
