@@ -170,6 +170,21 @@ def test_packed_sequences_keep_their_boundaries(family):
         assert rel(g, total) < 1e-5, name
 
 
+@pytest.mark.parametrize("family", [f for f in ("qwen3_next", "kimi_linear") if f in FAMILY_IDS])
+def test_packed_sequences_by_seq_idx(family):
+    model = build(family)
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(3, VOCAB, (1, n), generator=gen) for n in (9, 16)]
+    seq_idx = torch.tensor([[0] * 9 + [1] * 16], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(9), torch.arange(16)]).unsqueeze(0)
+    rlx_hf.enable()
+    with torch.no_grad():
+        packed = model(torch.cat(seqs, 1), position_ids=position_ids, seq_idx=seq_idx,
+                       use_cache=False).logits
+        alone = torch.cat([model(s, use_cache=False).logits for s in seqs], 1)
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("family", FAMILY_IDS)
 def test_padding(family):
     model = build(family)

@@ -27,8 +27,10 @@ What the replacements do:
   ``position_ids``, ``max_length_q``...) are ignored, as transformers' wrapper does. Packed
   sequences: ``cu_seqlens`` or, where the layer does not pass it (Kimi-Linear, Bailing), the
   ``cu_seq_lens_q`` that transformers' packed-sequence collator
-  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) provides; int32 offsets are
-  accepted. ``scale`` is honoured when given (fla's meaning).
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) provides, or its ``seq_idx``
+  (``return_seq_idx=True``); int32 offsets are accepted. ``position_ids`` alone do not reach
+  these layers, so a batch packed with nothing else mixes its sequences here (as with fla and
+  the fallback). ``scale`` is honoured when given (fla's meaning).
 - ``causal_conv1d_fn`` (the depthwise short convolution in front of the recurrence): a sum of
   shifted products (its backward is elementwise, unlike ``F.conv1d``'s depthwise backward);
   with ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx`` no output reads another sequence's
@@ -99,6 +101,17 @@ def _packing_offsets(arguments: dict, extra: dict):
     return cu if cu is not None else extra.get("cu_seq_lens_q")
 
 
+def _offsets_from_seq_idx(seq_idx: torch.Tensor, who: str) -> torch.Tensor:
+    """``seq_idx [1, T]`` (the sequence of every packed token) -> int64 offsets ``[N + 1]``."""
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1:
+        raise ValueError(f"{who}: packed sequences (seq_idx) need batch size 1, got seq_idx of "
+                         f"shape {list(seq_idx.shape)}")
+    T = seq_idx.shape[1]
+    starts = (seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten() + 1
+    edge = torch.tensor([0, T], device=seq_idx.device)
+    return torch.cat([edge[:1], starts, edge[1:]]).to(torch.int64)
+
+
 def _recurrence(hub: str, original: Callable) -> Callable:
     torch_function = original.__wrapped__
     signature = inspect.signature(torch_function)
@@ -115,6 +128,8 @@ def _recurrence(hub: str, original: Callable) -> Callable:
         if not _has_kernel(q.device):
             return original(*args, **kwargs)
         cu_seqlens = _int64_offsets(_packing_offsets(a, extra), hub)
+        if cu_seqlens is None and extra.get("seq_idx") is not None:
+            cu_seqlens = _offsets_from_seq_idx(extra["seq_idx"], hub)
         if cu_seqlens is not None and q.shape[0] != 1:
             raise ValueError(f"{hub}: packed sequences (cu_seqlens) need batch size 1, got "
                              f"{q.shape[0]}")
