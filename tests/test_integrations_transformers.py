@@ -308,3 +308,22 @@ def test_mps_matches_cpu(family):
     torch.testing.assert_close(mps_logits.cpu(), cpu_logits, atol=1e-4, rtol=1e-4)
     for name, g in cpu_grads.items():
         assert rel(mps_grads[name].cpu(), g) < 1e-4, name
+
+
+def test_hub_wrapper_without_its_name_is_recognised():
+    """transformers 5.15's wrapper keeps only `implementation` and `applicable_params`."""
+    import functools
+
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        return None
+
+    def make(implementation, applicable_params):
+        @functools.wraps(implementation)
+        def wrapped(*args, **kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k in applicable_params}
+            return implementation(*args, **kwargs)
+        return wrapped
+
+    assert rlx_hf._hub_name(make(torch_chunk_gated_delta_rule, ())) == "chunk_gated_delta_rule"
+    assert rlx_hf._hub_name(torch_chunk_gated_delta_rule) is None
+    assert rlx_hf._hub_name(functools.wraps(torch_chunk_gated_delta_rule)(lambda: 0)) is None

@@ -8,14 +8,15 @@
     ...
     rlx_hf.disable()           # transformers' own implementations again
 
-How it hooks in. transformers (5.x, tested with the versions in ``TESTED_VERSIONS``) wraps each
-kernel of these families in ``use_kernel_func_from_hub_with_fallback(name, package)``: a
-module-level function in ``modeling_<family>.py`` that the layers call by its global name, and
-that chose at import time between a hub kernel, the ``fla`` / ``causal_conv1d`` package and a
-plain-PyTorch fallback. :func:`enable` finds those wrappers by the hub name they carry
-(``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, ``chunk_kda``,
-``fused_recurrent_kda``, ``causal_conv1d_fn``) in every loaded ``transformers.models.*`` module
-and replaces the module attribute; :func:`disable` puts the originals back. Model instances hold
+How it hooks in. transformers (since 5.15; tested with the versions in ``TESTED_VERSIONS``)
+wraps each kernel of these families in ``use_kernel_func_from_hub_with_fallback(name,
+package)``: a module-level function in ``modeling_<family>.py`` that the layers call by its
+global name, and that chose at import time between a hub kernel, the ``fla`` /
+``causal_conv1d`` package and a plain-PyTorch fallback. :func:`enable` finds those wrappers by
+the hub name they carry (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
+``chunk_kda``, ``fused_recurrent_kda``, ``causal_conv1d_fn``; or by the fallback's name where
+the wrapper keeps none) in every loaded ``transformers.models.*`` module and replaces the
+module attribute; :func:`disable` puts the originals back. Model instances hold
 no reference to the kernels, so the order of ``enable()`` and model construction does not
 matter.
 
@@ -65,19 +66,28 @@ _CONVOLUTIONS = ("causal_conv1d_fn",)
 _originals: dict[tuple[str, str], Callable] = {}  # (module name, attribute) -> transformers' own
 
 
+# The fallbacks' own names, for wrappers that do not keep their hub name (transformers 5.15).
+_FALLBACK_NAMES = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+                   "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+                   "chunk_kimi_delta_attention": "chunk_kda",
+                   "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+                   "causal_conv1d_fn": "causal_conv1d_fn"}
+
+
 def _hub_name(obj) -> str | None:
     """The hub kernel name of a ``use_kernel_func_from_hub_with_fallback`` wrapper, else None."""
     code, closure = getattr(obj, "__code__", None), getattr(obj, "__closure__", None)
-    if code is None or closure is None or not hasattr(obj, "__wrapped__"):
+    wrapped = getattr(obj, "__wrapped__", None)
+    if code is None or closure is None or wrapped is None:
         return None
     cells = dict(zip(code.co_freevars, closure, strict=True))
-    if "func_name" not in cells or "torch_function" not in cells:
+    if "implementation" not in cells:  # not transformers' wrapper
         return None
     try:
-        name = cells["func_name"].cell_contents
+        name = cells["func_name"].cell_contents if "func_name" in cells else None
     except ValueError:  # empty cell
-        return None
-    return name if isinstance(name, str) else None
+        name = None
+    return name if isinstance(name, str) else _FALLBACK_NAMES.get(getattr(wrapped, "__name__", ""))
 
 
 def _has_kernel(device: torch.device) -> bool:
