@@ -25,5 +25,6 @@ pwd > "$SITE/rlx_torch_dev.pth"
 # transformers (tests/test_integrations_transformers.py, benchmarks/bench_transformers.py) and
 # einops (fla's naive references, read from the fla-core wheel by tests/test_compat_fla.py);
 # neither depends on torch, so no other torch build can come in.
-.venv/bin/pip install -q --disable-pip-version-check transformers==5.24.0 einops==0.8.2
-.venv/bin/python tests/fla_reference.py --download || echo "fla-core wheel not available; tests/test_compat_fla.py will skip its fla comparisons"
+.venv/bin/python -m pip install -q --disable-pip-version-check transformers==5.24.0 einops==0.8.2
+.venv/bin/python -m pip download -q --disable-pip-version-check --no-deps fla-core==0.6.0 -d .cache/fla-core \
+  || echo "fla-core wheel not available: tests/test_compat_fla.py will skip its comparisons with fla"

@@ -37,8 +37,13 @@ FAMILIES = {
         "short_conv_kernel_size": 4}),
     "bailing_hybrid": dict(_MLA, first_k_dense_replace=1, num_expert_group=1, topk_group=1,
                            layer_group_size=2, num_nextn_predict_layers=0),
+    # Its indexed-attention layer needs more configuration: GDN layers only.
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "linear_attention"]),
 }
 FAMILY_IDS = [f for f in FAMILIES if f in CONFIG_MAPPING]
+# transformers' cache needs an attention layer to report its length.
+DECODING_IDS = [f for f in FAMILY_IDS if "full_attention" in
+                FAMILIES[f].get("layer_types", COMMON["layer_types"])]
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +125,7 @@ def test_logits_and_every_gradient(family, reference_kernels):
         assert rel(fb_grads[name], ref) < 1e-4, name
 
 
-@pytest.mark.parametrize("family", FAMILY_IDS)
+@pytest.mark.parametrize("family", DECODING_IDS)
 def test_cached_decoding(family, reference_kernels):
     model = build(family)
     model64 = copy.deepcopy(model).double()
@@ -132,7 +137,7 @@ def test_cached_decoding(family, reference_kernels):
             out = m(ids[:, :prompt], use_cache=True)
             logits, cache = [out.logits], out.past_key_values
             for t in range(prompt, ids.shape[1]):
-                out = m(ids[:, t:t + 1], past_key_values=cache, use_cache=True)
+                out = m(ids[:, t:t + 1], cache=cache, use_cache=True)
                 logits.append(out.logits)
                 cache = out.past_key_values
         return torch.cat(logits, 1)
@@ -168,6 +173,21 @@ def test_packed_sequences_keep_their_boundaries(family):
     for name, g in grads.items():
         total = sum(s[1][name] for s in separate)
         assert rel(g, total) < 1e-5, name
+
+
+@pytest.mark.parametrize("family", [f for f in ("qwen3_next", "kimi_linear") if f in FAMILY_IDS])
+def test_packed_sequences_by_seq_idx(family):
+    model = build(family)
+    gen = torch.Generator().manual_seed(8)
+    seqs = [torch.randint(3, VOCAB, (1, n), generator=gen) for n in (9, 16)]
+    seq_idx = torch.tensor([[0] * 9 + [1] * 16], dtype=torch.int32)
+    position_ids = torch.cat([torch.arange(9), torch.arange(16)]).unsqueeze(0)
+    rlx_hf.enable()
+    with torch.no_grad():
+        packed = model(torch.cat(seqs, 1), position_ids=position_ids, seq_idx=seq_idx,
+                       use_cache=False).logits
+        alone = torch.cat([model(s, use_cache=False).logits for s in seqs], 1)
+    torch.testing.assert_close(packed, alone, atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.parametrize("family", FAMILY_IDS)
@@ -256,6 +276,59 @@ def test_packed_causal_conv1d(packing):
                                           groups=7)[..., :b - a]) for a, b in bounds if b > a],
                          -1)
     torch.testing.assert_close(y, expected)
+    for T in (2, 20):  # unpacked, also shorter than the kernel: transformers' own result
+        xs = x[..., :T].clone().requires_grad_()
+        y = qwen.causal_conv1d_fn(xs, w, bias, activation="silu")
+        y_fb = qwen.causal_conv1d_fn.rlx_replaces.__wrapped__(xs, w, bias, activation="silu")
+        torch.testing.assert_close(y, y_fb)
+        torch.testing.assert_close(torch.autograd.grad(y.square().sum(), xs),
+                                   torch.autograd.grad(y_fb.square().sum(), xs))
     with pytest.raises(ValueError, match="packed input"):
         qwen.causal_conv1d_fn(x[..., :15], w, bias, activation="silu",
                               cu_seq_lens_q=torch.tensor([0, 20]))
+
+
+def test_finetune_example_runs():
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / "finetune_qwen3_next.py"
+    spec = importlib.util.spec_from_file_location("finetune_qwen3_next", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    result = example.main(["--steps", "4", "--batch-size", "2", "--seq-len", "32",
+                           "--hidden-size", "64", "--no-progress"])
+    assert any(n.endswith("qwen3_next.torch_chunk_gated_delta_rule") for n in result["patched"])
+    assert not rlx_hf.is_enabled()  # the example undoes enable()
+    assert result["last_loss"] < result["first_loss"]  # random bytes -> learning the text
+
+
+@pytest.mark.skipif(not torch.backends.mps.is_available(), reason="needs MPS")
+@pytest.mark.parametrize("family", ["qwen3_next", "kimi_linear"])
+def test_mps_matches_cpu(family):
+    model = build(family)
+    ids = torch.randint(3, VOCAB, (2, 37), generator=torch.Generator().manual_seed(7))
+    rlx_hf.enable()
+    cpu_logits, cpu_grads = run(model, ids)
+    mps_logits, mps_grads = run(model.to("mps"), ids.to("mps"))
+    torch.testing.assert_close(mps_logits.cpu(), cpu_logits, atol=1e-4, rtol=1e-4)
+    for name, g in cpu_grads.items():
+        assert rel(mps_grads[name].cpu(), g) < 1e-4, name
+
+
+def test_hub_wrapper_without_its_name_is_recognised():
+    """transformers 5.15's wrapper keeps only `implementation` and `applicable_params`."""
+    import functools
+
+    def torch_chunk_gated_delta_rule(query, key, value, g, beta, **kwargs):
+        return None
+
+    def make(implementation, applicable_params):
+        @functools.wraps(implementation)
+        def wrapped(*args, **kwargs):
+            kwargs = {k: v for k, v in kwargs.items() if k in applicable_params}
+            return implementation(*args, **kwargs)
+        return wrapped
+
+    assert rlx_hf._hub_name(make(torch_chunk_gated_delta_rule, ())) == "chunk_gated_delta_rule"
+    assert rlx_hf._hub_name(torch_chunk_gated_delta_rule) is None
+    assert rlx_hf._hub_name(functools.wraps(torch_chunk_gated_delta_rule)(lambda: 0)) is None

@@ -8,14 +8,15 @@
     ...
     rlx_hf.disable()           # transformers' own implementations again
 
-How it hooks in. transformers (5.x, tested with the versions in ``TESTED_VERSIONS``) wraps each
-kernel of these families in ``use_kernel_func_from_hub_with_fallback(name, package)``: a
-module-level function in ``modeling_<family>.py`` that the layers call by its global name, and
-that chose at import time between a hub kernel, the ``fla`` / ``causal_conv1d`` package and a
-plain-PyTorch fallback. :func:`enable` finds those wrappers by the hub name they carry
-(``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``, ``chunk_kda``,
-``fused_recurrent_kda``, ``causal_conv1d_fn``) in every loaded ``transformers.models.*`` module
-and replaces the module attribute; :func:`disable` puts the originals back. Model instances hold
+How it hooks in. transformers (since 5.15; tested with the versions in ``TESTED_VERSIONS``)
+wraps each kernel of these families in ``use_kernel_func_from_hub_with_fallback(name,
+package)``: a module-level function in ``modeling_<family>.py`` that the layers call by its
+global name, and that chose at import time between a hub kernel, the ``fla`` /
+``causal_conv1d`` package and a plain-PyTorch fallback. :func:`enable` finds those wrappers by
+the hub name they carry (``chunk_gated_delta_rule``, ``fused_recurrent_gated_delta_rule``,
+``chunk_kda``, ``fused_recurrent_kda``, ``causal_conv1d_fn``; or by the fallback's name where
+the wrapper keeps none) in every loaded ``transformers.models.*`` module and replaces the
+module attribute; :func:`disable` puts the originals back. Model instances hold
 no reference to the kernels, so the order of ``enable()`` and model construction does not
 matter.
 
@@ -27,11 +28,14 @@ What the replacements do:
   ``position_ids``, ``max_length_q``...) are ignored, as transformers' wrapper does. Packed
   sequences: ``cu_seqlens`` or, where the layer does not pass it (Kimi-Linear, Bailing), the
   ``cu_seq_lens_q`` that transformers' packed-sequence collator
-  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) provides; int32 offsets are
-  accepted. ``scale`` is honoured when given (fla's meaning).
-- ``causal_conv1d_fn`` (the depthwise short convolution in front of the recurrence): with
-  ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx`` no output reads another sequence's inputs
-  (transformers' fallback convolves across the boundaries); without them it is the fallback.
+  (``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``) provides, or its ``seq_idx``
+  (``return_seq_idx=True``); int32 offsets are accepted. ``position_ids`` alone do not reach
+  these layers, so a batch packed with nothing else mixes its sequences here (as with fla and
+  the fallback). ``scale`` is honoured when given (fla's meaning).
+- ``causal_conv1d_fn`` (the depthwise short convolution in front of the recurrence): a sum of
+  shifted products (its backward is elementwise, unlike ``F.conv1d``'s depthwise backward);
+  with ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx`` no output reads another sequence's
+  inputs (transformers' fallback convolves across the boundaries).
 - Tensors on a device without rlx kernels (CUDA today) go to the implementation transformers
   chose, unchanged.
 """
@@ -62,19 +66,28 @@ _CONVOLUTIONS = ("causal_conv1d_fn",)
 _originals: dict[tuple[str, str], Callable] = {}  # (module name, attribute) -> transformers' own
 
 
+# The fallbacks' own names, for wrappers that do not keep their hub name (transformers 5.15).
+_FALLBACK_NAMES = {"torch_chunk_gated_delta_rule": "chunk_gated_delta_rule",
+                   "torch_recurrent_gated_delta_rule": "fused_recurrent_gated_delta_rule",
+                   "chunk_kimi_delta_attention": "chunk_kda",
+                   "recurrent_kimi_delta_attention": "fused_recurrent_kda",
+                   "causal_conv1d_fn": "causal_conv1d_fn"}
+
+
 def _hub_name(obj) -> str | None:
     """The hub kernel name of a ``use_kernel_func_from_hub_with_fallback`` wrapper, else None."""
     code, closure = getattr(obj, "__code__", None), getattr(obj, "__closure__", None)
-    if code is None or closure is None or not hasattr(obj, "__wrapped__"):
+    wrapped = getattr(obj, "__wrapped__", None)
+    if code is None or closure is None or wrapped is None:
         return None
     cells = dict(zip(code.co_freevars, closure, strict=True))
-    if "func_name" not in cells or "torch_function" not in cells:
+    if "implementation" not in cells:  # not transformers' wrapper
         return None
     try:
-        name = cells["func_name"].cell_contents
+        name = cells["func_name"].cell_contents if "func_name" in cells else None
     except ValueError:  # empty cell
-        return None
-    return name if isinstance(name, str) else None
+        name = None
+    return name if isinstance(name, str) else _FALLBACK_NAMES.get(getattr(wrapped, "__name__", ""))
 
 
 def _has_kernel(device: torch.device) -> bool:
@@ -98,6 +111,17 @@ def _packing_offsets(arguments: dict, extra: dict):
     return cu if cu is not None else extra.get("cu_seq_lens_q")
 
 
+def _offsets_from_seq_idx(seq_idx: torch.Tensor, who: str) -> torch.Tensor:
+    """``seq_idx [1, T]`` (the sequence of every packed token) -> int64 offsets ``[N + 1]``."""
+    if seq_idx.dim() != 2 or seq_idx.shape[0] != 1:
+        raise ValueError(f"{who}: packed sequences (seq_idx) need batch size 1, got seq_idx of "
+                         f"shape {list(seq_idx.shape)}")
+    T = seq_idx.shape[1]
+    starts = (seq_idx[0, 1:] != seq_idx[0, :-1]).nonzero().flatten() + 1
+    edge = torch.tensor([0, T], device=seq_idx.device)
+    return torch.cat([edge[:1], starts, edge[1:]]).to(torch.int64)
+
+
 def _recurrence(hub: str, original: Callable) -> Callable:
     torch_function = original.__wrapped__
     signature = inspect.signature(torch_function)
@@ -114,6 +138,8 @@ def _recurrence(hub: str, original: Callable) -> Callable:
         if not _has_kernel(q.device):
             return original(*args, **kwargs)
         cu_seqlens = _int64_offsets(_packing_offsets(a, extra), hub)
+        if cu_seqlens is None and extra.get("seq_idx") is not None:
+            cu_seqlens = _offsets_from_seq_idx(extra["seq_idx"], hub)
         if cu_seqlens is not None and q.shape[0] != 1:
             raise ValueError(f"{hub}: packed sequences (cu_seqlens) need batch size 1, got "
                              f"{q.shape[0]}")
@@ -158,10 +184,8 @@ def _convolution(hub: str, original: Callable) -> Callable:
         cu_seqlens, seq_idx = _packing_offsets(a, extra), extra.get("seq_idx")
         if not _has_kernel(x.device):
             return original(*args, **kwargs)
-        if cu_seqlens is None and seq_idx is None:
-            return torch_function(*args, **kwargs)  # transformers' fallback, exact (and silent)
         B, D, T = x.shape
-        if seq_idx is None:
+        if cu_seqlens is not None and seq_idx is None:
             cu_seqlens = _int64_offsets(cu_seqlens, hub)
             if B != 1 or int(cu_seqlens[-1]) != T:
                 raise ValueError(
@@ -169,21 +193,26 @@ def _convolution(hub: str, original: Callable) -> Callable:
                     f"{int(cu_seqlens[-1])}], got {list(x.shape)} (packed sequences with a "
                     "cache are not supported)")
             seq_idx = _sequence_ids(cu_seqlens.to(x.device), T).unsqueeze(0)
-        elif tuple(seq_idx.shape) != (B, T):
+        elif seq_idx is not None and tuple(seq_idx.shape) != (B, T):
             raise ValueError(f"{hub}: seq_idx must be [B, T] = [{B}, {T}], got "
                              f"{list(seq_idx.shape)}")
         W = weight.shape[-1]
-        xs = x.to(weight.dtype)
-        # Tap s reads input t - s, kept only when it lies in the same sequence as t.
-        y = xs * weight[:, W - 1, None]
+        # A sum of W shifted products, in the time-major layout the layers hold (x arrives as a
+        # transposed [B, T, D] view): every tap is a contiguous slice and the backward is
+        # elementwise (F.conv1d's depthwise backward dominates a small model's training step
+        # on the CPU). Tap s reads input t - s, kept only inside t's own sequence.
+        xt = F.pad(x.transpose(1, 2).to(weight.dtype), (0, 0, W - 1, 0))  # [B, W-1+T, D]
+        y = xt[:, W - 1:] * weight[:, W - 1]
         for s in range(1, W):
-            same = F.pad(seq_idx[:, s:] == seq_idx[:, :-s], (s, 0), value=False)
-            shifted = F.pad(xs, (s, 0))[..., :T]
-            y = y + shifted * weight[:, W - 1 - s, None] * same.unsqueeze(1).to(xs.dtype)
+            tap = xt[:, W - 1 - s:W - 1 - s + T]
+            if seq_idx is not None:
+                same = F.pad(seq_idx[:, s:] == seq_idx[:, :-s], (s, 0), value=False)[:, :T]
+                tap = tap * same.unsqueeze(-1).to(tap.dtype)
+            y = torch.addcmul(y, tap, weight[:, W - 1 - s])
         bias = a.get("bias")
         if bias is not None:
-            y = y + bias[:, None]
-        return _activate(y, a.get("activation")).to(x.dtype)
+            y = y + bias
+        return _activate(y, a.get("activation")).to(x.dtype).transpose(1, 2)
 
     rlx_causal_conv1d.rlx_replaces = original
     return rlx_causal_conv1d

@@ -1,0 +1,140 @@
+"""A transformers Qwen3-Next-style model on rlx_torch's kernels against transformers' own
+plain-PyTorch fallback, side by side in one process (CPU, float32).
+
+    .venv/bin/python benchmarks/bench_transformers.py [--repeats N] [--threads N]
+
+1. Forward + backward (LM loss) of a small random Qwen3-Next (hidden 256, 3 Gated DeltaNet
+   layers + 1 attention layer, K = V = 64, dense MLPs), B = 2, T = 512: transformers'
+   fallback vs ``rlx_torch.integrations.transformers.enable()``.
+2. The gated delta rule alone, forward + backward, B = 1, T = 2048, H = 4, K = V = 128:
+   transformers' ``torch_chunk_gated_delta_rule`` vs the function ``enable()`` puts in its
+   place.
+
+Both sides are checked to agree first. The sides take turns, each first on every other
+repeat, and every timed call follows an untimed one of the same side (the harness of
+benchmarks/bench_gdn.py). Prints the CPU, the times and ratios, then one JSON line.
+"""
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the in-place build
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gdn import timed  # noqa: E402
+
+import rlx_torch.integrations.transformers as rlx_hf  # noqa: E402
+
+
+def cpu_description() -> str:
+    name, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and name in ("", platform.machine()):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
+           if f in flags]
+    return f"{name} ({' '.join(isa) or 'ISA flags unknown'})"
+
+
+def small_qwen3_next():
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+    config = Qwen3NextConfig(
+        vocab_size=2048, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_only_layers=[0, 1, 2, 3],
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=64, linear_value_head_dim=64,
+        linear_conv_kernel_dim=4, use_cache=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).train()
+
+
+def time_model(model, ids, repeats):
+    """Median ms of forward + backward with the fallback and with our kernels, alternating."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    sides = [rlx_hf.disable, lambda: rlx_hf.enable(import_families=False)]
+    times = [[], []]
+    for r in range(repeats):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            sides[i]()
+            step()  # untimed: same side, same caches
+            t0 = time.perf_counter()
+            step()
+            times[i].append((time.perf_counter() - t0) * 1e3)
+    rlx_hf.disable()
+    return [statistics.median(t) for t in times]
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen
+    print(f"{cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"transformers {transformers.__version__}")
+
+    model = small_qwen3_next()
+    ids = torch.randint(0, 2048, (2, 512), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        rlx_hf.disable()
+        ref = model(ids).logits
+        rlx_hf.enable()
+        diff = (model(ids).logits - ref).abs().max().item()
+        rlx_hf.disable()
+    assert diff < 1e-4, f"logits differ by {diff}"
+    fb_ms, rlx_ms = time_model(model, ids, args.repeats)
+    model_row = dict(B=2, T=512, hidden=256, gdn_layers=3, attention_layers=1, K=64, V=64,
+                     fallback_ms=round(fb_ms, 1), rlx_ms=round(rlx_ms, 1),
+                     speedup=round(fb_ms / rlx_ms, 2), max_logit_diff=diff)
+    print(f"model fwd+bwd  B=2 T=512       fallback {fb_ms:9.1f} ms  rlx {rlx_ms:8.1f} ms  "
+          f"speed-up {fb_ms / rlx_ms:5.2f}x  (target >= 4x; logits within {diff:.1e})")
+
+    fallback = qwen.torch_chunk_gated_delta_rule.__wrapped__
+    rlx_hf.enable(import_families=False)
+    ours = qwen.torch_chunk_gated_delta_rule
+    rlx_hf.disable()
+    B, T, H, K, V = 1, 2048, 4, 128, 128
+    gen = torch.Generator().manual_seed(2)
+    inputs = [torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen),
+              torch.randn(B, T, H, V, generator=gen),
+              F.logsigmoid(torch.randn(B, T, H, generator=gen) + 2.0),
+              torch.rand(B, T, H, generator=gen)]
+    inputs = [t.requires_grad_() for t in inputs]
+
+    def side(fn):
+        return lambda q, k, v, g, beta: fn(q, k, v, g=g, beta=beta,
+                                           use_qk_l2norm_in_kernel=True)[0]
+
+    kdiff = (side(ours)(*inputs) - side(fallback)(*inputs)).abs().max().item()
+    assert kdiff < 1e-3, f"kernel outputs differ by {kdiff}"
+    k_fb, k_rlx = timed([side(fallback), side(ours)], inputs, True, args.repeats)
+    kernel_row = dict(B=B, T=T, H=H, K=K, V=V, fallback_ms=round(k_fb, 1),
+                      rlx_ms=round(k_rlx, 1), speedup=round(k_fb / k_rlx, 2))
+    print(f"kernel fwd+bwd B=1 T=2048 H=4 K=V=128  fallback {k_fb:9.1f} ms  rlx {k_rlx:8.1f} "
+          f"ms  speed-up {k_fb / k_rlx:5.2f}x  (target >= 20x)")
+    print(json.dumps({"bench": "transformers", "cpu": cpu_description(),
+                      "threads": torch.get_num_threads(), "torch": torch.__version__,
+                      "transformers": transformers.__version__, "model_fwd_bwd": model_row,
+                      "gated_delta_rule_fwd_bwd": kernel_row}))
+
+
+if __name__ == "__main__":
+    main()
