@@ -279,3 +279,23 @@ def test_public_exports():
     assert rlx_torch.nn.CodebookLinear is CodebookLinear
     for name in quant.__all__:
         assert getattr(quant, name).__doc__, name
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "rlx_torch.quant.codebook",
+        "rlx_torch.quant.kmeans",
+        "rlx_torch.quant.aqlm_format",
+        "rlx_torch.nn.codebook_linear",
+    ],
+)
+def test_docstring_examples_hold(module):
+    import doctest
+    import importlib
+
+    mod = importlib.import_module(module)
+    globs = {"torch": torch, "rlx_torch": rlx_torch, "CodebookLinear": CodebookLinear}
+    globs["nn"] = torch.nn
+    result = doctest.testmod(mod, extraglobs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.attempted > 0 and result.failed == 0

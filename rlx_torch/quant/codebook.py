@@ -1,4 +1,4 @@
-"""The dense weight of a codebook-quantized matrix, and the index dtypes codebooks use."""
+"""Dense weights from codebook indices, and the index dtypes codebooks use."""
 
 from __future__ import annotations
 
