@@ -176,10 +176,11 @@ def test_dequantize_matches_float64(num_codebooks, num_entries):
     want = dense_weight_float64(layer.indices, layer.codebook.detach(), layer.scales.detach())
     torch.testing.assert_close(layer.dequantize(), want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(layer.weight, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(
-        dequantize(layer.indices, layer.codebook),
-        dense_weight_float64(layer.indices, layer.codebook.detach(), None),
-    )
+    unscaled = dense_weight_float64(layer.indices, layer.codebook.detach(), None)
+    torch.testing.assert_close(dequantize(layer.indices, layer.codebook), unscaled)
+    if num_entries > 256:  # the same indices as uint16
+        as_uint16 = (layer.indices.long() % 65536).to(torch.int32).to(torch.uint16)
+        torch.testing.assert_close(dequantize(as_uint16, layer.codebook), unscaled)
     dense = layer.dequantize()
     dense.square().sum().backward()  # differentiable in codebook and scales
     assert layer.codebook.grad is not None and layer.scales.grad is not None
@@ -189,7 +190,7 @@ def test_dequantize_rejects_bad_input():
     cb = torch.randn(8, 4)
     with pytest.raises(ValueError, match="indices must be < E=8"):
         dequantize(torch.full((2, 3), 8, dtype=torch.uint8), cb)
-    with pytest.raises(ValueError, match="uint8 or int16"):
+    with pytest.raises(ValueError, match="uint8, int16 or uint16"):
         dequantize(torch.zeros(2, 3, dtype=torch.int32), cb)
     with pytest.raises(ValueError, match="indices/codebook"):
         dequantize(torch.zeros(2, 3, 1, dtype=torch.uint8), cb)
