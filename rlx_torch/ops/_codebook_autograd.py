@@ -68,8 +68,21 @@ def _unbits(bits):
     return [bool(bits >> i & 1) for i in range(4)]
 
 
-_op = matmul
-_bw = matmul_backward
+def _raw_op(x, indices, codebook, scales, bias=None):
+    return torch.ops.rlx.codebook_matmul(x, indices, codebook, scales, bias)
+
+
+def _raw_bw(grad_out, x, indices, codebook, scales, mask):
+    return torch.ops.rlx.codebook_matmul_backward(grad_out, x, indices, codebook, scales, mask)
+
+
+def _ops(ctx):
+    """(forward, backward) for the derivatives: the ops themselves when the Function was
+    applied by an op's autograd kernel (below torch.func's layers), else the differentiable
+    entry points above."""
+    if getattr(getattr(ctx, "_forward_cls", None), "raw", False):
+        return _raw_op, _raw_bw
+    return matmul, matmul_backward
 
 
 def _add(total, term):
@@ -79,6 +92,7 @@ def _add(total, term):
 class _Forward(torch.autograd.Function):
     generate_vmap_rule = True
     op_name = "codebook_matmul"
+    raw = False  # derivatives through the differentiable entry points (see _ops)
 
     @staticmethod
     def forward(x, indices, codebook, scales, bias):
@@ -99,6 +113,7 @@ class _Forward(torch.autograd.Function):
         if not any(mask):
             return None, None, None, None, None
         # Differentiable itself (through the backward op's autograd kernel) under create_graph.
+        _, _bw = _ops(ctx)
         grads = _bw(grad_out, x, indices, codebook, scales, mask)
         gx, gc, gs, gb = (g if on else None for g, on in zip(grads, mask, strict=True))
         return gx, None, gc, gs, gb
@@ -106,6 +121,7 @@ class _Forward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tx, _t_indices, tc, ts, tb):
         x, indices, codebook, scales = ctx.saved_tensors
+        _op, _ = _ops(ctx)
         out = None
         if tx is not None:
             out = _add(out, _op(tx, indices, codebook, scales))
@@ -123,6 +139,7 @@ class _Forward(torch.autograd.Function):
 class _Backward(torch.autograd.Function):
     generate_vmap_rule = True
     op_name = "codebook_matmul_backward"
+    raw = False
 
     @staticmethod
     def forward(grad_out, x, indices, codebook, scales, mask_bits):
@@ -146,6 +163,7 @@ class _Backward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, ugx, ugc, ugs, ugb):
         g, x, indices, codebook, scales = ctx.saved_tensors
+        _op, _bw = _ops(ctx)
         ugx, ugc, ugs, ugb = (u if on else None for u, on in zip((ugx, ugc, ugs, ugb), ctx.mask,
                                                                  strict=True))
         need = ctx.needs_input_grad  # grad_out, x, indices, codebook, scales, mask_bits
@@ -180,6 +198,7 @@ class _Backward(torch.autograd.Function):
     @staticmethod
     def jvp(ctx, tg, tx, _t_indices, tc, ts, _t_mask):
         g, x, indices, codebook, scales = ctx.saved_tensors
+        _, _bw = _ops(ctx)
         mask = ctx.mask
         out = [None] * 4
         # Each output is linear in each input it depends on: gx in (g, C, s), gC in (g, x, s),
@@ -208,6 +227,14 @@ class _Backward(torch.autograd.Function):
         return tuple(result)
 
 
+class _RawForward(_Forward):
+    raw = True
+
+
+class _RawBackward(_Backward):
+    raw = True
+
+
 def _apply(function, *args):
     # The kernels run below functorch's layers (their tensors are unwrapped for the current
     # transform level), where Function.apply's functorch route does not exist: use the plain
@@ -224,7 +251,7 @@ def _apply(function, *args):
 
 def _forward_kernel(keyset, x, indices, codebook, scales, bias):
     if _needs_autograd(x, codebook, scales, bias):
-        return _apply(_Forward, x, indices, codebook, scales, bias)
+        return _apply(_RawForward, x, indices, codebook, scales, bias)
     with _C._AutoDispatchBelowAutograd():
         return torch.ops.rlx.codebook_matmul.default.redispatch(
             keyset & _C._after_autograd_keyset, x, indices, codebook, scales, bias
@@ -233,7 +260,7 @@ def _forward_kernel(keyset, x, indices, codebook, scales, bias):
 
 def _backward_kernel(keyset, grad_out, x, indices, codebook, scales, output_mask):
     if _needs_autograd(grad_out, x, codebook, scales):
-        return _apply(_Backward, grad_out, x, indices, codebook, scales, _bits(output_mask))
+        return _apply(_RawBackward, grad_out, x, indices, codebook, scales, _bits(output_mask))
     with _C._AutoDispatchBelowAutograd():
         return torch.ops.rlx.codebook_matmul_backward.default.redispatch(
             keyset & _C._after_autograd_keyset, grad_out, x, indices, codebook, scales,
