@@ -8,6 +8,10 @@ ratios are baseline / rlx (> 1 means rlx is faster), from medians of wall-clock 
 CPU time. Prints one JSON line at the end.
 
     python benchmarks/bench_codebook.py [--rows 1 16 256] [--threads N] [--repeat 15]
+    python benchmarks/bench_codebook.py --num-entries 65536 --rows 1 16   # 1x16 (int16 codes)
+
+E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes stored as AQLM does
+(values >= 2**15 wrapped negative), which take the gather kernels.
 """
 
 import argparse
@@ -70,12 +74,16 @@ def main():
     torch.manual_seed(0)
     n = k = args.features
     d, e = args.entry_dim, args.num_entries
-    indices = torch.randint(0, e, (n, k // d), dtype=torch.uint8)
+    codes = torch.randint(0, e, (n, k // d))
+    if e <= 256:
+        indices = codes.to(torch.uint8)
+    else:
+        indices = (codes - 65536 * (codes >= 32768)).to(torch.int16)
     codebook = torch.randn(e, d) / k**0.5
-    weight = F.embedding(indices.long(), codebook).reshape(n, k).contiguous()
+    weight = F.embedding(codes, codebook).reshape(n, k).contiguous()
     print(
         f"codebook_matmul N=K={n} D={d} E={e} M=1 codebook, threads={torch.get_num_threads()}, "
-        f"torch {torch.__version__}, {platform.machine()}"
+        f"indices {indices.dtype}, torch {torch.__version__}, {platform.machine()}"
     )
     results = {}
     for rows in args.rows:
@@ -93,7 +101,7 @@ def main():
 
         x_req = x.clone().requires_grad_()
         cb_req = codebook.clone().requires_grad_()
-        out = x_req @ F.embedding(indices.long(), cb_req).reshape(n, k).T
+        out = x_req @ F.embedding(codes, cb_req).reshape(n, k).T
 
         bwd = paired_times(
             [
@@ -113,6 +121,7 @@ def main():
         "features": n,
         "entry_dim": d,
         "num_entries": e,
+        "index_dtype": str(indices.dtype),
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rlx_torch": rlx_torch.__version__,

@@ -203,19 +203,14 @@ def aqlm_module(out_f, in_f, *, ig, m, nbits, bias, seed=0):
     [(24, 64, 1, 8, 8), (16, 128, 2, 8, 8), (8, 64, 1, 8, 8), (12, 40, 1, 5, 4), (24, 64, 2, 8, 8)],
 )
 @pytest.mark.parametrize("bias", [True, False])
-def test_matches_aqlm_quantized_linear(out_f, in_f, m, nbits, ig, bias):
+def test_matches_aqlm_quantized_linear(out_f, in_f, m, nbits, ig, bias, one_numba_thread):
     # (8, 64, g8) has as many input as output groups: only the module's state tells whether
     # AQLM's first forward has transposed its codes.
     module, tensors = aqlm_module(out_f, in_f, ig=ig, m=m, nbits=nbits, bias=bias)
     before = CodebookLinear.from_aqlm(module)
-    threads = numba.get_num_threads()
-    numba.set_num_threads(1)  # AQLM's numba kernel races on its output with several threads
-    try:
-        x = torch.randn(5, in_f)
-        with torch.no_grad():
-            theirs = module(x)
-    finally:
-        numba.set_num_threads(threads)
+    x = torch.randn(5, in_f)
+    with torch.no_grad():
+        theirs = module(x)
     if nbits == 8:
         assert module.codes.shape[:2] == (in_f // ig, out_f)  # AQLM rewrote its codes
     after = CodebookLinear.from_aqlm(module)
@@ -259,11 +254,13 @@ def tiny_llama_config(**changes):
     return config
 
 
-def write_aqlm_checkpoint(folder, *, m=1, nbits=8, ig=8, og=1, dtype=torch.float32, **changes):
+def write_aqlm_checkpoint(
+    folder, *, m=1, nbits=8, ig=8, og=1, dtype=torch.float32, shards=1, **changes
+):
     """A tiny Llama in AQLM's checkpoint format: random codes and codebooks for every linear
     of the decoder layers, float embeddings, norms and head. Returns the float64 reference
     model (dense weights from the format's math)."""
-    config = tiny_llama_config(**changes)
+    config = tiny_llama_config(torch_dtype=str(dtype).removeprefix("torch."), **changes)
     plain = transformers.LlamaConfig(**config)
     torch.manual_seed(0)
     reference = transformers.LlamaForCausalLM(plain).double()
@@ -304,8 +301,29 @@ def write_aqlm_checkpoint(folder, *, m=1, nbits=8, ig=8, og=1, dtype=torch.float
     }
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config))
-    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    if shards == 1:
+        save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    else:  # transformers' sharded layout: an index naming the file of every tensor
+        keys = sorted(state)
+        weight_map = {}
+        for i in range(shards):
+            name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {k: state[k] for k in keys[i::shards]}
+            save_file(part, str(folder / name), metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(part, name))
+        index = {"metadata": {}, "weight_map": weight_map}
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     return reference.eval()
+
+
+@pytest.fixture
+def one_numba_thread():
+    # AQLM's numba kernel adds into its output from parallel loop iterations: with several
+    # threads its results race.
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    yield
+    numba.set_num_threads(threads)
 
 
 @pytest.fixture
@@ -315,8 +333,8 @@ def no_aqlm(monkeypatch):
 
 @pytest.mark.parametrize(
     "changes",
-    [{}, {"tie_word_embeddings": True}, {"attention_bias": True, "mlp_bias": True}],
-    ids=["plain", "tied", "bias"],
+    [{}, {"tie_word_embeddings": True}, {"attention_bias": True, "mlp_bias": True}, {"shards": 3}],
+    ids=["plain", "tied", "bias", "sharded"],
 )
 def test_load_aqlm_matches_float64_model(tmp_path, no_aqlm, changes):
     reference = write_aqlm_checkpoint(tmp_path, m=2, **changes)
@@ -392,6 +410,7 @@ def test_load_aqlm_rejects_inconsistent_checkpoints(tmp_path, no_aqlm):
 
 def test_save_aqlm_round_trip(tmp_path, no_aqlm):
     write_aqlm_checkpoint(tmp_path / "in", m=2, tie_word_embeddings=True, dtype=torch.float16)
+    assert load_aqlm(tmp_path / "in").dtype == torch.float16  # the config's dtype
     model = load_aqlm(tmp_path / "in", dtype=torch.float32)
     save_aqlm(model, tmp_path / "out", dtype=torch.float16)
     original = load_file(str(tmp_path / "in" / "model.safetensors"))
@@ -407,7 +426,7 @@ def test_save_aqlm_round_trip(tmp_path, no_aqlm):
         assert torch.equal(again(tokens).logits, model(tokens).logits)
 
 
-def test_transformers_with_aqlm_reads_what_save_aqlm_writes(tmp_path):
+def test_transformers_with_aqlm_reads_what_save_aqlm_writes(tmp_path, one_numba_thread):
     # The other direction: the reference stack (transformers' AQLM integration + aqlm) loads
     # our output and computes the same logits.
     write_aqlm_checkpoint(tmp_path / "in", m=1, nbits=8)
@@ -417,7 +436,6 @@ def test_transformers_with_aqlm_reads_what_save_aqlm_writes(tmp_path):
             if isinstance(layer, CodebookLinear):
                 layer.scales.mul_(1.5)  # something a fine-tune would change
     save_aqlm(ours, tmp_path / "out")
-    numba.set_num_threads(1)
     auto = transformers.AutoModelForCausalLM
     theirs = auto.from_pretrained(tmp_path / "out", dtype=torch.float32)
     assert any(isinstance(m, aqlm.QuantizedLinear) for m in theirs.modules())

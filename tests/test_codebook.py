@@ -279,3 +279,79 @@ def test_aqlm_layout_maps_onto_the_op():
         x, codes.view(torch.uint8), codebooks[:, :, 0, :], scales.reshape(-1)
     )
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+# ---- the fakes apply the kernels' rules: eager, meta and compiled calls fail alike ----
+
+# Left out: a value check (eager only) and a device mix (all on meta is no mix).
+VALUE_CHECKS = {"indices must be < E=16", "bias must be on x's device"}
+
+
+@pytest.mark.parametrize("match,args", [(m, a) for m, a in BAD_INPUTS if m not in VALUE_CHECKS],
+                         ids=[m for m, _ in BAD_INPUTS if m not in VALUE_CHECKS])
+def test_bad_input_fails_alike_on_meta_and_compiled(match, args):
+    meta = {k: v.to("meta") if v is not None else None for k, v in args.items()}
+    with pytest.raises(ValueError, match=match):
+        torch.ops.rlx.codebook_matmul(*meta.values())
+    compiled = torch.compile(torch.ops.rlx.codebook_matmul, fullgraph=True, backend="eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=match):
+        compiled(*args.values())
+
+
+@pytest.mark.parametrize("which", ["x", "indices", "codebook", "scales", "bias", "grad_out"])
+def test_mixed_devices_with_meta_are_rejected_on_every_path(which):
+    x, idx, cb, s, b = make_inputs(3, 10, 4, e=16)
+    g = torch.randn(3, 10)
+    t = dict(x=x, indices=idx, codebook=cb, scales=s, bias=b, grad_out=g)
+    t[which] = t[which].to("meta")
+    if which != "grad_out":
+        with pytest.raises(ValueError, match="device"):
+            torch.ops.rlx.codebook_matmul(t["x"], t["indices"], t["codebook"], t["scales"],
+                                          t["bias"])
+        with pytest.raises(ValueError, match="device"):
+            rlx_torch.codebook_matmul(t["x"].requires_grad_(t["x"].device.type == "cpu"),
+                                      t["indices"], t["codebook"], t["scales"], t["bias"])
+    if which != "bias":
+        with pytest.raises(ValueError, match="device"):
+            torch.ops.rlx.codebook_matmul_backward(t["grad_out"], t["x"].detach(), t["indices"],
+                                                   t["codebook"], t["scales"], [True] * 4)
+
+
+def test_entry_dim_zero_names_the_argument():
+    x, idx, _, _, _ = make_inputs(3, 10, 4, e=16)
+    for device in ("cpu", "meta"):
+        with pytest.raises(ValueError, match="entry dim D must be >= 1"):
+            torch.ops.rlx.codebook_matmul(x.to(device), idx.to(device),
+                                          torch.ones(16, 0, device=device), None, None)
+
+
+# ---- non-finite entries: the lookup-table and dense paths agree with the dense product ----
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20, 70])  # table tiles of 1, 8, 16 rows; dense path
+def test_non_finite_unselected_codebook_entry_keeps_grad_x_finite(rows):
+    x, idx, cb, s, b = make_inputs(rows, 37, 6, e=256, dtype=torch.float64)
+    idx[idx == 7] = 8
+    cb[7] = float("inf")  # no index selects entry 7
+    cb[9, 2] = float("nan")
+    xr, cbr = x.clone().requires_grad_(), cb.clone().requires_grad_()
+    gx, gc = torch.autograd.grad(rlx_torch.codebook_matmul(xr, idx, cbr, s, b).sum(), (xr, cbr))
+    xw, cbw = x.clone().requires_grad_(), cb.clone().requires_grad_()
+    wx, wc = torch.autograd.grad(reference.codebook_matmul(xw, idx, cbw, s, b).sum(), (xw, cbw))
+    torch.testing.assert_close(gx, wx, equal_nan=True)
+    torch.testing.assert_close(gc, wc, equal_nan=True)
+    assert gx[:, 8:16].isfinite().all() == wx[:, 8:16].isfinite().all()
+
+
+@pytest.mark.parametrize("rows", [1, 5, 20, 70])
+def test_non_finite_x_gives_no_gradient_to_unselected_entries(rows):
+    x, idx, cb, s, b = make_inputs(rows, 37, 6, e=256, dtype=torch.float64)
+    idx[idx == 7] = 8
+    x[0, 3] = float("inf")
+    gc_ours = torch.ops.rlx.codebook_matmul_backward(torch.ones(rows, 37, dtype=torch.float64),
+                                                     x, idx, cb, s, [False, True, False, False])[1]
+    cbw = cb.clone().requires_grad_()
+    (wc,) = torch.autograd.grad(reference.codebook_matmul(x, idx, cbw, s, b).sum(), cbw)
+    torch.testing.assert_close(gc_ours, wc, equal_nan=True)
+    assert torch.equal(gc_ours[7], torch.zeros(8, dtype=torch.float64))

@@ -1,5 +1,6 @@
 // CPU kernel for rlx::codebook_matmul (the backward is in codebook_backward.cpp, the shared
-// building blocks in codebook_lut.h). The algorithm, for both directions:
+// building blocks in codebook_lut.h; 16-bit indices take the gather path of
+// codebook_gather.h). The algorithm for uint8 indices, for both directions:
 //
 // Lookup-table (LUT) path, used for small batches and whenever it is cheaper than a GEMM:
 //   forward   L[g][m][c][b] = x[b, g*D:(g+1)*D] . C[m, c]        (E*M dot products per group)
@@ -22,6 +23,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include "codebook_gather.h"
 #include "codebook_lut.h"
 
 namespace rlx::codebook::cpu {
@@ -31,6 +33,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
                        const std::optional<at::Tensor>& scales,
                        const std::optional<at::Tensor>& bias) {
   const Dims d = check_inputs(x, indices, codebook, scales, bias);
+  if (d.index_bytes == 2) return gather_forward_op(x, indices, codebook, scales, bias, d);
   check_index_range(indices, d);
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;

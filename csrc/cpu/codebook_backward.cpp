@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "codebook_gather.h"
 #include "codebook_lut.h"
 
 #include <algorithm>
@@ -83,11 +84,24 @@ acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
 // dx[b0 + b, (g0+g)*D + t] = sum_{m,c} dL[g][m][c][b] * C[m, c, t].
 template <typename scalar_t, typename acc_t, int BT>
 void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int64_t ng,
-              int64_t b0, int64_t nb, scalar_t* dx) {
+              int64_t b0, int64_t nb, scalar_t* dx, const uint8_t* used) {
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim, K = d.in_features;
   for (int64_t g = 0; g < ng; ++g) {
     const acc_t* dLg = dL + g * M * E * BT;
     scalar_t* out = dx + b0 * K + (g0 + g) * D;
+    if (used) {
+      // Non-finite codebook: sum over the selected entries only, as the dense product does
+      // (0 * inf from an entry no index selects would make the sum NaN).
+      const uint8_t* ug = used + g * M * E;
+      for (int64_t t = 0; t < D; ++t)
+        for (int64_t b = 0; b < nb; ++b) {
+          acc_t sum = 0;
+          for (int64_t mc = 0; mc < M * E; ++mc)
+            if (ug[mc]) sum += dLg[mc * BT + b] * cbT[(mc / E * D + t) * E + mc % E];
+          out[b * K + t] = static_cast<scalar_t>(sum);
+        }
+      continue;
+    }
     if constexpr (BT == 1) {
       for (int64_t t = 0; t < D; ++t) {
         acc_t sum = 0;
@@ -124,11 +138,15 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
 
 // wide[m][c][t][b] += sum_g dL[g][m][c][b] * x[b0 + b, (g0+g)*D + t]   (xT holds the x tile).
 template <typename acc_t, int BT>
-void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng, acc_t* wide) {
+void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng, acc_t* wide,
+                     const uint8_t* used) {
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
+  // used (non-finite x only): entries no index selects get no x term, as in the dense path.
+  const auto skip = [&](int64_t g, int64_t mc) { return used && !used[g * M * E + mc]; };
   if constexpr (BT == 1) {
     for (int64_t g = 0; g < ng; ++g)
       for (int64_t mc = 0; mc < M * E; ++mc) {
+        if (skip(g, mc)) continue;
         const acc_t v = dL[g * M * E + mc];
         for (int64_t t = 0; t < D; ++t) wide[mc * D + t] += v * xT[g * D + t];
       }
@@ -140,6 +158,7 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
         const int64_t nt = std::min<int64_t>(TT, D - t0);
         V a[TT][NV] = {};
         for (int64_t g = 0; g < ng; ++g) {
+          if (skip(g, mc)) continue;
           const acc_t* row = dL + (g * M * E + mc) * BT;
           V r[NV];
           for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(row + v * W);
@@ -158,11 +177,21 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
   }
 }
 
+// used[g][m][c] = 1 where some output row selects entry c of codebook m in group g0 + g.
+inline void mark_used(const Dims& d, const uint8_t* idx, int64_t g0, int64_t ng, uint8_t* used) {
+  const int64_t M = d.num_codebooks, E = d.num_entries, steps = ng * M;
+  std::fill(used, used + steps * E, uint8_t(0));
+  for (int64_t j = 0; j < d.out_features; ++j) {
+    const uint8_t* ip = idx + j * d.groups * M + g0 * M;
+    for (int64_t gm = 0; gm < steps; ++gm) used[gm * E + ip[gm]] = 1;
+  }
+}
+
 // LUT backward for dx (written into dx) and the per-block dcodebook partials [blocks][M*E*D].
 template <typename scalar_t, typename acc_t, int BT>
 void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const uint8_t* idx,
                   const CodebookAcc<acc_t>& C, const scalar_t* scales, scalar_t* dx,
-                  acc_t* dc_parts, int64_t gpb) {
+                  acc_t* dc_parts, int64_t gpb, bool mask_dx, bool mask_dc) {
   const int64_t B = d.rows, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
   const int64_t num_tiles = ceil_div(B, BT), num_blocks = ceil_div(d.groups, gpb);
@@ -170,18 +199,23 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     LineVector<acc_t> dL(gpb * M * E * BT), xT(gpb * D * BT);
     LineVector<acc_t> wide(dc_parts ? MED * BT : 0);
+    std::vector<uint8_t> used(mask_dx || mask_dc ? gpb * M * E : 0);
     for (int64_t blk = begin; blk < end; ++blk) {
       const int64_t g0 = blk * gpb, ng = std::min(gpb, d.groups - g0);
       std::fill(wide.begin(), wide.end(), acc_t(0));
+      if (!used.empty()) mark_used(d, idx, g0, ng, used.data());
+      const uint8_t* used_dx = mask_dx ? used.data() : nullptr;
+      const uint8_t* used_dc = mask_dc ? used.data() : nullptr;
       for (int64_t tile = 0; tile < num_tiles; ++tile) {
         const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
         std::fill(dL.begin(), dL.begin() + ng * M * E * BT, acc_t(0));
         scatter_block<acc_t, BT>(d, idx, gT.data() + tile * d.out_features * BT, g0, ng,
                                  dL.data());
-        if (dx) dx_block<scalar_t, acc_t, BT>(d, C.dataT(), dL.data(), g0, ng, b0, nb, dx);
+        if (dx)
+          dx_block<scalar_t, acc_t, BT>(d, C.dataT(), dL.data(), g0, ng, b0, nb, dx, used_dx);
         if (dc_parts) {
           load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
-          dcodebook_block<acc_t, BT>(d, dL.data(), xT.data(), ng, wide.data());
+          dcodebook_block<acc_t, BT>(d, dL.data(), xT.data(), ng, wide.data(), used_dc);
         }
       }
       if (dc_parts) {
@@ -196,44 +230,12 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   });
 }
 
-// Dense backward for large batches: per weight tile, dx += gs @ W and dW = gs^T @ x, whose
-// rows are scattered into per-block dcodebook partials.
-template <typename acc_t>
-void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc,
-                    const uint8_t* idx, const acc_t* cb, at::Tensor* dx_acc, acc_t* dc_parts,
-                    int64_t gpb) {
-  const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
-  const int64_t num_blocks = ceil_div(d.groups, gpb), tile = dense_tile_rows(d, sizeof(acc_t));
-  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
-    const int64_t j1 = std::min(d.out_features, j0 + tile);
-    const at::Tensor g_tile = gs.narrow(1, j0, j1 - j0);
-    if (dx_acc) dx_acc->addmm_(g_tile, dequantize_rows<acc_t>(d, idx, cb, j0, j1));
-    if (!dc_parts) continue;
-    const at::Tensor dW = at::mm(g_tile.t(), x_acc);
-    const acc_t* dw = dW.data_ptr<acc_t>();
-    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        acc_t* part = dc_parts + blk * M * E * D;
-        const int64_t g1 = std::min(d.groups, (blk + 1) * gpb);
-        for (int64_t j = j0; j < j1; ++j) {
-          for (int64_t g = blk * gpb; g < g1; ++g) {
-            const acc_t* src = dw + (j - j0) * K + g * D;
-            for (int64_t m = 0; m < M; ++m) {
-              acc_t* dst = part + (m * E + idx[(j * d.groups + g) * M + m]) * D;
-              for (int64_t t = 0; t < D; ++t) dst[t] += src[t];
-            }
-          }
-        }
-      }
-    });
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask) {
   const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
+  if (d.index_bytes == 2) return gather_backward_op(grad_out, x, indices, codebook, scales, mask, d);
   check_index_range(indices, d);
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
@@ -283,12 +285,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
       dense_backward<acc_t>(d, gs, x_acc, ip, C.data(), mask[0] ? &dx_acc : nullptr, dc_parts, gpb);
       if (mask[0]) dx.view({d.rows, d.in_features}).copy_(dx_acc);
     } else {
+      // The table sums run over every entry: with a non-finite codebook (for dx) or x (for
+      // dcodebook) they must skip the entries no index selects to agree with the dense path.
+      const bool mask_dx = mask[0] && !at::isfinite(codebook).all().item<bool>();
+      const bool mask_dc = mask[1] && !at::isfinite(x).all().item<bool>();
       with_tile_shape(d.rows, [&](auto BT, auto JT) {
         const int64_t gpb = backward_groups_per_block(d, BT, sizeof(acc_t));
         acc_t* dc_parts = run(gpb);
         lut_backward<scalar_t, acc_t, BT>(d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(),
                                           ip, C, sp, mask[0] ? dx.data_ptr<scalar_t>() : nullptr,
-                                          dc_parts, gpb);
+                                          dc_parts, gpb, mask_dx, mask_dc);
       });
     }
     if (mask[1]) {

@@ -280,11 +280,12 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
 template <typename acc_t>
 struct CodebookAcc {
   at::Tensor cb, cbT;
-  CodebookAcc(const at::Tensor& codebook, const Dims& d) {
+  // transposed: also build cbT (the lookup-table kernels use it; the gather kernels do not).
+  CodebookAcc(const at::Tensor& codebook, const Dims& d, bool transposed = true) {
     auto c = codebook.reshape({d.num_codebooks, d.num_entries, d.entry_dim})
                  .to(c10::CppTypeToScalarType<acc_t>::value);
     cb = c.contiguous();
-    cbT = c.transpose(1, 2).contiguous();
+    if (transposed) cbT = c.transpose(1, 2).contiguous();
   }
   const acc_t* data() const { return cb.data_ptr<acc_t>(); }
   const acc_t* dataT() const { return cbT.data_ptr<acc_t>(); }
@@ -389,8 +390,9 @@ inline bool use_dense(const Dims& d) {
 }
 
 // W[j - j0, g*D + t] = sum_m C[m, idx[j, g, m], t] for rows [j0, j1).
-template <typename acc_t>
-at::Tensor dequantize_rows(const Dims& d, const uint8_t* idx, const acc_t* cb, int64_t j0,
+// index_t: uint8_t, or uint16_t for 16-bit indices (range-checked by the caller).
+template <typename acc_t, typename index_t>
+at::Tensor dequantize_rows(const Dims& d, const index_t* idx, const acc_t* cb, int64_t j0,
                            int64_t j1) {
   const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
   at::Tensor W = at::empty({j1 - j0, K}, at::dtype(c10::CppTypeToScalarType<acc_t>::value));
@@ -398,7 +400,7 @@ at::Tensor dequantize_rows(const Dims& d, const uint8_t* idx, const acc_t* cb, i
   at::parallel_for(j0, j1, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       acc_t* row = w + (j - j0) * K;
-      const uint8_t* ip = idx + j * d.groups * M;
+      const index_t* ip = idx + j * d.groups * M;
       for (int64_t g = 0; g < d.groups; ++g) {
         acc_t* dst = row + g * D;
         std::copy_n(cb + ip[g * M] * D, D, dst);
@@ -417,8 +419,8 @@ inline int64_t dense_tile_rows(const Dims& d, int64_t acc_size) {
 }
 
 // raw[b, j] = sum_k x[b, k] W[j, k] in the accumulation dtype, one weight tile at a time.
-template <typename acc_t>
-at::Tensor dense_raw(const Dims& d, const at::Tensor& x_acc, const uint8_t* idx, const acc_t* cb) {
+template <typename acc_t, typename index_t>
+at::Tensor dense_raw(const Dims& d, const at::Tensor& x_acc, const index_t* idx, const acc_t* cb) {
   auto rawT = at::empty({d.out_features, d.rows}, x_acc.options());
   const int64_t tile = dense_tile_rows(d, sizeof(acc_t));
   for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
@@ -427,6 +429,39 @@ at::Tensor dense_raw(const Dims& d, const at::Tensor& x_acc, const uint8_t* idx,
     at::mm_out(dst, dequantize_rows<acc_t>(d, idx, cb, j0, j1), x_acc.t());
   }
   return rawT.t();
+}
+
+// Dense backward for large batches: per weight tile, dx += gs @ W and dW = gs^T @ x, whose
+// rows are scattered into per-block dcodebook partials.
+template <typename acc_t, typename index_t>
+void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc,
+                    const index_t* idx, const acc_t* cb, at::Tensor* dx_acc, acc_t* dc_parts,
+                    int64_t gpb) {
+  const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
+  const int64_t num_blocks = ceil_div(d.groups, gpb), tile = dense_tile_rows(d, sizeof(acc_t));
+  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
+    const int64_t j1 = std::min(d.out_features, j0 + tile);
+    const at::Tensor g_tile = gs.narrow(1, j0, j1 - j0);
+    if (dx_acc) dx_acc->addmm_(g_tile, dequantize_rows<acc_t>(d, idx, cb, j0, j1));
+    if (!dc_parts) continue;
+    const at::Tensor dW = at::mm(g_tile.t(), x_acc);
+    const acc_t* dw = dW.data_ptr<acc_t>();
+    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t blk = begin; blk < end; ++blk) {
+        acc_t* part = dc_parts + blk * M * E * D;
+        const int64_t g1 = std::min(d.groups, (blk + 1) * gpb);
+        for (int64_t j = j0; j < j1; ++j) {
+          for (int64_t g = blk * gpb; g < g1; ++g) {
+            const acc_t* src = dw + (j - j0) * K + g * D;
+            for (int64_t m = 0; m < M; ++m) {
+              acc_t* dst = part + (m * E + idx[(j * d.groups + g) * M + m]) * D;
+              for (int64_t t = 0; t < D; ++t) dst[t] += src[t];
+            }
+          }
+        }
+      }
+    });
+  }
 }
 
 // E < 256 leaves uint8 values that would read past the codebook; 256 entries cannot overflow.

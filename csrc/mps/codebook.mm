@@ -23,6 +23,7 @@ using rlx::mps::CodebookShape;
 using rlx::mps::Dispatch;
 
 constexpr const char* kSource = "codebook";
+constexpr const char* kSortedSource = "codebook_sorted";
 
 CodebookDtype metal_dtype(at::ScalarType t) {
   switch (t) {
@@ -59,6 +60,7 @@ Inputs prepare(const at::Tensor& x, const at::Tensor& indices, const at::Tensor&
   s.has_scales = has_scales;
   s.has_bias = has_bias;
   s.dtype = metal_dtype(x.scalar_type());
+  s.index_bytes = d.index_bytes;
   TORCH_CHECK_VALUE(rlx::mps::codebook_shape_fits(s), "codebook_matmul on MPS: sizes B=", d.rows,
                     ", K=", d.in_features, ", N=", d.out_features,
                     " exceed the kernels' 32-bit indexing");
@@ -95,6 +97,29 @@ Dispatch forward_dispatch(const Inputs& in, const std::optional<at::Tensor>& sca
                               {5, or_dummy(out, dummy)}});
 }
 
+// grad_codebook for 16-bit indices: keys m*E + code (M*E for a code >= E: never summed),
+// sorted stably on the GPU with their positions (j*G + g)*M + m; see codebook_sorted.metal.
+Dispatch sorted_dcodebook_dispatch(const Inputs& in, const at::Tensor& g2, const at::Tensor& s,
+                                   const Dims& d, const at::Tensor& dc) {
+  const auto codes = in.indices.view(at::kShort).to(at::kInt).bitwise_and(0xFFFF);
+  const auto offsets = at::arange(d.num_codebooks, codes.options()).mul(d.num_entries);
+  const auto keys = at::where(codes < d.num_entries, codes + offsets,
+                              at::full({}, d.num_codebooks * d.num_entries, codes.options()))
+                        .reshape({-1});
+  const auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  const at::Tensor sorted_keys = std::get<0>(sorted).contiguous();
+  const at::Tensor order = std::get<1>(sorted).to(at::kInt).contiguous();
+  const rlx::mps::CodebookSortedPlan plan = rlx::mps::plan_codebook_dcodebook_sorted(in.shape);
+  const at::Tensor& dummy = in.codebook;
+  Dispatch dispatch;
+  dispatch.launch = plan.launch;
+  dispatch.set_params(plan.params);
+  dispatch.buffers = {{0, or_dummy(g2, dummy)},          {1, or_dummy(in.x, dummy)},
+                      {2, or_dummy(sorted_keys, dummy)}, {3, or_dummy(order, dummy)},
+                      {4, s},                            {5, dc}};
+  return dispatch;
+}
+
 at::Tensor forward_mps(const at::Tensor& x, const at::Tensor& indices,
                        const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
                        const std::optional<at::Tensor>& bias) {
@@ -127,7 +152,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_mps(
                                   {3, s},
                                   {4, or_dummy(dx, dummy)}}));
   }
-  if (mask[1]) {
+  std::vector<Dispatch> sorted_work;  // 16-bit grad_codebook: codebook_sorted.metal
+  if (mask[1] && d.index_bytes == 2) {
+    dc = at::empty({d.num_codebooks, d.num_entries, d.entry_dim}, x.options());
+    sorted_work.push_back(sorted_dcodebook_dispatch(in, g2, s, d, dc));
+  } else if (mask[1]) {
     const CodebookPlan partial = rlx::mps::plan_codebook_dcodebook_partial(in.shape);
     auto partials = at::empty({int64_t(rlx::mps::codebook_partials_count(partial))},
                               x.options().dtype(at::kFloat));
@@ -157,6 +186,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_mps(
          {3, mask[3] ? or_dummy(db, dummy) : dummy}}));
   }
   rlx::mps::encode(kSource, work);
+  if (!sorted_work.empty()) rlx::mps::encode(kSortedSource, sorted_work);
   if (mask[0]) dx = dx.view(x.sizes());
   if (mask[1]) dc = dc.view(codebook.sizes());
   return {dx, dc, ds, db};

@@ -7,7 +7,7 @@
 """
 
 from .aqlm_format import AqlmTensors, from_aqlm_tensors, to_aqlm_tensors
-from .dequantize import dequantize, index_dtype, max_entries, pack_indices
+from .codebook import dequantize, index_dtype, max_entries, pack_indices
 from .kmeans import kmeans, nearest, residual_kmeans
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import NamedTuple
 
 import torch
 
-from .dequantize import max_entries, pack_indices
+from .codebook import max_entries, pack_indices
 
 __all__ = ["AqlmTensors", "from_aqlm_tensors", "to_aqlm_tensors"]
 

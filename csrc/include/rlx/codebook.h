@@ -17,9 +17,19 @@ struct Dims {
   int64_t out_features;   // N
   int64_t groups;         // K / D: entries per output row and codebook
   int64_t num_codebooks;  // M (additive codebooks)
-  int64_t num_entries;    // E <= 256
+  int64_t num_entries;    // E <= 256 (uint8 indices) or <= 65536 (16-bit indices)
   int64_t entry_dim;      // D
+  int64_t index_bytes;    // 1: uint8 indices; 2: int16 / uint16, read as uint16 (mod 2^16)
 };
+
+// Indices are uint8 (E <= 256) or 16 bits (E <= 65536): int16 codes, as AQLM stores them, are
+// read as their uint16 bit pattern, i.e. modulo 2^16.
+inline bool is_supported_index(at::ScalarType t) {
+  return t == at::kByte || t == at::kShort || t == at::kUInt16;
+}
+inline int64_t max_entries(at::ScalarType index_type) {
+  return index_type == at::kByte ? 256 : 65536;
+}
 
 inline bool is_supported_float(at::ScalarType t) {
   return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
@@ -44,8 +54,9 @@ inline Dims check_inputs(const at::Tensor& x, const at::Tensor& indices, const a
   TORCH_CHECK_VALUE(is_supported_float(x.scalar_type()),
                     "codebook_matmul: x must be float32, float64, float16 or bfloat16, got ",
                     x.scalar_type());
-  TORCH_CHECK_VALUE(indices.scalar_type() == at::kByte,
-                    "codebook_matmul: indices must be uint8, got ", indices.scalar_type());
+  TORCH_CHECK_VALUE(is_supported_index(indices.scalar_type()),
+                    "codebook_matmul: indices must be uint8, int16 or uint16, got ",
+                    indices.scalar_type());
   TORCH_CHECK_VALUE(indices.dim() == 2 || indices.dim() == 3,
                     "codebook_matmul: indices must have shape [N, K/D] or [N, K/D, M], got ",
                     indices.sizes());
@@ -77,9 +88,11 @@ inline Dims check_inputs(const at::Tensor& x, const at::Tensor& indices, const a
                       "codebook_matmul: codebook has ", codebook.size(0),
                       " codebooks but indices' last dim M is ", d.num_codebooks);
   }
-  TORCH_CHECK_VALUE(d.num_entries >= 1 && d.num_entries <= 256,
-                    "codebook_matmul: codebook must have 1 to 256 entries E (uint8 indices), got E=",
-                    d.num_entries);
+  d.index_bytes = indices.scalar_type() == at::kByte ? 1 : 2;
+  const int64_t top = max_entries(indices.scalar_type());
+  TORCH_CHECK_VALUE(d.num_entries >= 1 && d.num_entries <= top,
+                    "codebook_matmul: codebook must have 1 to ", top, " entries E (",
+                    d.index_bytes == 1 ? "uint8" : "16-bit", " indices), got E=", d.num_entries);
   TORCH_CHECK_VALUE(d.entry_dim >= 1, "codebook_matmul: codebook entry dim D must be >= 1");
   TORCH_CHECK_VALUE(d.in_features % d.entry_dim == 0, "codebook_matmul: x's last dim K=",
                     d.in_features, " must be a multiple of the codebook entry dim D=", d.entry_dim);

@@ -8,6 +8,10 @@
 //   codebook_dcodebook_reduce:   0 partials, 1 grad_codebook, 2 params
 //   codebook_dscale_dbias:       0 grad_out, 1 y (float32 [B, N]), 2 grad_scales, 3 grad_bias,
 //                                4 params
+//   codebook_dcodebook_sorted:   0 grad_out, 1 x, 2 sorted keys (uint32), 3 their positions
+//   (codebook_sorted.metal)      (uint32), 4 scales, 5 grad_codebook, 6 params
+// 16-bit indices (index_bytes 2) take the "_u16" variants of the forward and grad_x kernels
+// and codebook_dcodebook_sorted for grad_codebook.
 // Absent optional tensors are bound to any valid buffer (the flags keep them unread).
 #pragma once
 
@@ -32,6 +36,7 @@ struct CodebookShape {
   int64_t num_codebooks = 1, num_entries = 1, entry_dim = 1;
   bool has_scales = false, has_bias = false;
   CodebookDtype dtype = CodebookDtype::Float32;
+  int64_t index_bytes = 1;  // 1: uint8 indices, 2: int16/uint16 (read as ushort)
 };
 
 struct CodebookPlan {
@@ -59,6 +64,11 @@ inline bool codebook_shape_fits(const CodebookShape& s) {
 
 inline const char* codebook_kernel(const char* const names[3], CodebookDtype t) {
   return names[int(t)];
+}
+
+// names[0..2] for uint8 indices, names[3..5] for 16-bit ones.
+inline const char* codebook_kernel(const char* const names[6], const CodebookShape& s) {
+  return names[(s.index_bytes == 2 ? 3 : 0) + int(s.dtype)];
 }
 
 inline CodebookParams codebook_params(const CodebookShape& s) {
@@ -106,22 +116,28 @@ inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out
   plan.params = codebook_params(s);
   if (float_out) plan.params.has_scales = plan.params.has_bias = 0;
   const bool mv = codebook_use_matvec(s);
-  static const char* const mv_names[3] = {"codebook_mv_f32", "codebook_mv_f16", "codebook_mv_bf16"};
-  static const char* const mv_y[3] = {"codebook_mv_f32", "codebook_mv_f16_yf32",
-                                      "codebook_mv_bf16_yf32"};
-  static const char* const mm_names[3] = {"codebook_mm_f32", "codebook_mm_f16", "codebook_mm_bf16"};
-  static const char* const mm_y[3] = {"codebook_mm_f32", "codebook_mm_f16_yf32",
-                                      "codebook_mm_bf16_yf32"};
+  static const char* const mv_names[6] = {"codebook_mv_f32",     "codebook_mv_f16",
+                                          "codebook_mv_bf16",    "codebook_mv_u16_f32",
+                                          "codebook_mv_u16_f16", "codebook_mv_u16_bf16"};
+  static const char* const mv_y[6] = {"codebook_mv_f32",          "codebook_mv_f16_yf32",
+                                      "codebook_mv_bf16_yf32",    "codebook_mv_u16_f32",
+                                      "codebook_mv_u16_f16_yf32", "codebook_mv_u16_bf16_yf32"};
+  static const char* const mm_names[6] = {"codebook_mm_f32",     "codebook_mm_f16",
+                                          "codebook_mm_bf16",    "codebook_mm_u16_f32",
+                                          "codebook_mm_u16_f16", "codebook_mm_u16_bf16"};
+  static const char* const mm_y[6] = {"codebook_mm_f32",          "codebook_mm_f16_yf32",
+                                      "codebook_mm_bf16_yf32",    "codebook_mm_u16_f32",
+                                      "codebook_mm_u16_f16_yf32", "codebook_mm_u16_bf16_yf32"};
   Launch& l = plan.launch;
   if (mv) {
-    l.kernel = codebook_kernel(float_out ? mv_y : mv_names, s.dtype);
+    l.kernel = codebook_kernel(float_out ? mv_y : mv_names, s);
     const uint32_t rows_per_tg = kCodebookMvSimdgroups * kCodebookRowsPerSimd;
     l.threadgroups = {ceil_div(uint64_t(s.out_features), rows_per_tg), uint32_t(s.rows), 1};
     l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
     l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
     l.n_threadgroup_memory = 1;
   } else {
-    l.kernel = codebook_kernel(float_out ? mm_y : mm_names, s.dtype);
+    l.kernel = codebook_kernel(float_out ? mm_y : mm_names, s);
     set_tiled_launch(l, s.out_features, s.rows, plan.params);
   }
   l.params_index = 6;
@@ -132,20 +148,22 @@ inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out
 inline CodebookPlan plan_codebook_dx(const CodebookShape& s) {
   CodebookPlan plan;
   plan.params = codebook_params(s);
-  static const char* const mv_names[3] = {"codebook_dx_mv_f32", "codebook_dx_mv_f16",
-                                          "codebook_dx_mv_bf16"};
-  static const char* const mm_names[3] = {"codebook_dx_mm_f32", "codebook_dx_mm_f16",
-                                          "codebook_dx_mm_bf16"};
+  static const char* const mv_names[6] = {"codebook_dx_mv_f32",     "codebook_dx_mv_f16",
+                                          "codebook_dx_mv_bf16",    "codebook_dx_mv_u16_f32",
+                                          "codebook_dx_mv_u16_f16", "codebook_dx_mv_u16_bf16"};
+  static const char* const mm_names[6] = {"codebook_dx_mm_f32",     "codebook_dx_mm_f16",
+                                          "codebook_dx_mm_bf16",    "codebook_dx_mm_u16_f32",
+                                          "codebook_dx_mm_u16_f16", "codebook_dx_mm_u16_bf16"};
   Launch& l = plan.launch;
   if (codebook_use_matvec(s)) {
-    l.kernel = codebook_kernel(mv_names, s.dtype);
+    l.kernel = codebook_kernel(mv_names, s);
     const uint64_t items = uint64_t(s.groups) * ceil_div(uint64_t(s.entry_dim), kCodebookTChunk);
     l.threadgroups = {ceil_div(items, kCodebookMvSimdgroups), uint32_t(s.rows), 1};
     l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
     l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
     l.n_threadgroup_memory = 1;
   } else {
-    l.kernel = codebook_kernel(mm_names, s.dtype);
+    l.kernel = codebook_kernel(mm_names, s);
     set_tiled_launch(l, s.in_features, s.rows, plan.params);
   }
   l.params_index = 5;
@@ -213,6 +231,49 @@ inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want
   l.threadgroups = {ceil_div(uint64_t(s.out_features), 256), 1, 1};
   l.threads = {256, 1, 1};
   l.params_index = 4;
+  return plan;
+}
+
+// ---- grad_codebook for 16-bit indices (codebook_sorted.metal) ----
+
+// Field for field CodebookSortedParams in codebook_sorted.metal (all 32-bit).
+struct CodebookSortedParams {
+  uint32_t rows, in_features, out_features, groups, num_codebooks, num_entries, entry_dim;
+  uint32_t has_scales, count;
+};
+static_assert(sizeof(CodebookSortedParams) == 36, "must match codebook_sorted.metal");
+
+struct CodebookSortedPlan {
+  Launch launch;
+  CodebookSortedParams params{};
+};
+
+constexpr uint32_t kCodebookSortedChunk = 8;  // codebook_sorted.metal kChunk
+
+// The host first sorts the N*G*M keys m*E + code (M*E for a code >= E) stably and passes
+// them with their positions (j*G + g)*M + m, both as uint32.
+inline CodebookSortedPlan plan_codebook_dcodebook_sorted(const CodebookShape& s) {
+  CodebookSortedPlan plan;
+  CodebookSortedParams& p = plan.params;
+  p.rows = uint32_t(s.rows);
+  p.in_features = uint32_t(s.in_features);
+  p.out_features = uint32_t(s.out_features);
+  p.groups = uint32_t(s.groups);
+  p.num_codebooks = uint32_t(s.num_codebooks);
+  p.num_entries = uint32_t(s.num_entries);
+  p.entry_dim = uint32_t(s.entry_dim);
+  p.has_scales = s.has_scales;
+  p.count = uint32_t(s.out_features * s.groups * s.num_codebooks);
+  static const char* const names[3] = {"codebook_dcodebook_sorted_f32",
+                                       "codebook_dcodebook_sorted_f16",
+                                       "codebook_dcodebook_sorted_bf16"};
+  Launch& l = plan.launch;
+  l.kernel = codebook_kernel(names, s.dtype);
+  const uint64_t items = uint64_t(s.num_codebooks) * s.num_entries *
+                         ceil_div(uint64_t(s.entry_dim), kCodebookSortedChunk);
+  l.threadgroups = {ceil_div(items, 256), 1, 1};
+  l.threads = {256, 1, 1};
+  l.params_index = 6;
   return plan;
 }
 

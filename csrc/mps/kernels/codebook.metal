@@ -1,6 +1,9 @@
 // Codebook (vector-quantized) matmul on Apple GPUs, forward and backward.
 //   out[b, j] = s_j * sum_{m, g, t} x[b, g*D + t] * C[m, I[j, g, m], t] + bias_j
-// x [B, K], I [N, G, M] uint8 (G = K / D), C [M, E, D], s / bias [N], out [B, N].
+// x [B, K], I [N, G, M] (G = K / D) uint8 or 16-bit (int16 read as ushort: its value modulo
+// 2^16), C [M, E, D], s / bias [N], out [B, N]. The forward and grad_x kernels are templates
+// over the index type I (uchar or ushort); grad_codebook for 16-bit indices, where per-block
+// partials of E = 65536 entries do not fit, is codebook_sorted.metal.
 // Launch plans (grids, threadgroup sizes, params, threadgroup memory): rlx/mps_codebook_plan.h.
 // Accumulation is float32 for every input type. An index >= E (not checked on the GPU: that
 // would need a host sync) makes the affected outputs NaN instead of reading out of bounds.
@@ -54,11 +57,11 @@ inline void stage_codebook(device const T* codebook, threadgroup float* cb, uint
 }
 
 // Dequantized weight W[j, k] = sum_m C[m, I[j, k / D, m], k % D] (NaN for an index >= E).
-template <typename T>
-inline float weight_at(device const uchar* indices, device const T* codebook,
+template <typename T, typename I>
+inline float weight_at(device const I* indices, device const T* codebook,
                        threadgroup const float* cb, constant CodebookParams& p, uint j, uint k) {
   const uint g = k / p.entry_dim, t = k % p.entry_dim;
-  device const uchar* idx = indices + (j * p.groups + g) * p.num_codebooks;
+  device const I* idx = indices + (j * p.groups + g) * p.num_codebooks;
   float w = 0.0f;
   for (uint m = 0; m < p.num_codebooks; ++m) {
     const uint e = idx[m];
@@ -73,9 +76,9 @@ inline float weight_at(device const uchar* indices, device const T* codebook,
 // threadgroups (ceil(N / (simdgroups * 4)), B); each simdgroup computes 4 output rows of one
 // batch row. Lanes split the groups g; each lane keeps its x slice in registers and reuses it
 // for the 4 rows and M codebooks; simd_sum reduces the lanes.
-template <typename T, typename TOut>
+template <typename T, typename TOut, typename I>
 kernel void codebook_mv(device const T* x [[buffer(0)]],
-                        device const uchar* indices [[buffer(1)]],
+                        device const I* indices [[buffer(1)]],
                         device const T* codebook [[buffer(2)]],
                         device const T* scales [[buffer(3)]],
                         device const T* bias [[buffer(4)]],
@@ -104,7 +107,7 @@ kernel void codebook_mv(device const T* x [[buffer(0)]],
       for (uint r = 0; r < kRowsPerSimd; ++r) {
         const uint j = row0 + r;
         if (j >= p.out_features) break;
-        device const uchar* idx = indices + (j * G + g) * M;
+        device const I* idx = indices + (j * G + g) * M;
         for (uint m = 0; m < M; ++m) {
           const uint e = idx[m];
           if (e >= E) {
@@ -133,9 +136,9 @@ kernel void codebook_mv(device const T* x [[buffer(0)]],
 // ---- forward, large batch: tiled GEMM on dequantized weight tiles -------------------------
 // threadgroups (ceil(N / 32), ceil(B / 32)), 256 threads; each thread computes 2 x 2 outputs.
 // Per 32-wide K step the threadgroup stages an x tile and a dequantized weight tile.
-template <typename T, typename TOut>
+template <typename T, typename TOut, typename I>
 kernel void codebook_mm(device const T* x [[buffer(0)]],
-                        device const uchar* indices [[buffer(1)]],
+                        device const I* indices [[buffer(1)]],
                         device const T* codebook [[buffer(2)]],
                         device const T* scales [[buffer(3)]],
                         device const T* bias [[buffer(4)]],
@@ -186,9 +189,9 @@ kernel void codebook_mm(device const T* x [[buffer(0)]],
 // ---- grad_x, small batch: dx[b, g*D + t] = sum_j dout[b, j] s_j W[j, g*D + t] ----------------
 // threadgroups (ceil(G * ceil(D / 8) / simdgroups), B); a simdgroup owns one (g, t-chunk);
 // lanes split the output rows j, simd_sum reduces them.
-template <typename T>
+template <typename T, typename I>
 kernel void codebook_dx_mv(device const T* grad_out [[buffer(0)]],
-                           device const uchar* indices [[buffer(1)]],
+                           device const I* indices [[buffer(1)]],
                            device const T* codebook [[buffer(2)]],
                            device const T* scales [[buffer(3)]],
                            device T* grad_x [[buffer(4)]],
@@ -213,7 +216,7 @@ kernel void codebook_dx_mv(device const T* grad_out [[buffer(0)]],
   for (uint j = lane; j < p.out_features; j += kSimd) {
     float gj = float(grad_out[b * p.out_features + j]);
     if (p.has_scales) gj *= float(scales[j]);
-    device const uchar* idx = indices + (j * G + g) * M;
+    device const I* idx = indices + (j * G + g) * M;
     for (uint m = 0; m < M; ++m) {
       const uint e = idx[m];
       if (e >= E) {
@@ -234,9 +237,9 @@ kernel void codebook_dx_mv(device const T* grad_out [[buffer(0)]],
 // ---- grad_x, large batch: tiled dx = (dout * s) @ W -------------------------------------
 // threadgroups (ceil(K / 32), ceil(B / 32)), 256 threads, 2 x 2 outputs per thread; the
 // contraction runs over 32-row blocks of the weight.
-template <typename T>
+template <typename T, typename I>
 kernel void codebook_dx_mm(device const T* grad_out [[buffer(0)]],
-                           device const uchar* indices [[buffer(1)]],
+                           device const I* indices [[buffer(1)]],
                            device const T* codebook [[buffer(2)]],
                            device const T* scales [[buffer(3)]],
                            device T* grad_x [[buffer(4)]],
@@ -317,11 +320,13 @@ kernel void codebook_dcodebook_partial(device const T* grad_out [[buffer(0)]],
       for (uint b0 = 0; b0 < B; b0 += kLutRows) {
         const uint nb = min(kLutRows, B - b0);
         float hist[kMaxEntryChunks][kLutRows];
+        uint seen = 0;  // bit s: some row selects code lane + 32 s (others get no x term)
         for (uint s = 0; s < kMaxEntryChunks; ++s)
           for (uint bb = 0; bb < kLutRows; ++bb) hist[s][bb] = 0.0f;
         for (uint j = 0; j < N; ++j) {
           const uint c = indices[(j * G + g) * M + m];
           if (c < E && (c % kSimd) == lane) {
+            seen |= 1u << (c / kSimd);
             const float s = p.has_scales ? float(scales[j]) : 1.0f;
             for (uint bb = 0; bb < nb; ++bb)
               hist[c / kSimd][bb] += float(grad_out[(b0 + bb) * N + j]) * s;
@@ -330,6 +335,7 @@ kernel void codebook_dcodebook_partial(device const T* grad_out [[buffer(0)]],
         for (uint s = 0; s < kMaxEntryChunks; ++s) {
           const uint c = lane + s * kSimd;
           if (c >= E) break;
+          if ((seen >> s & 1u) == 0) continue;  // 0 * x would be NaN for a non-finite x
           for (uint bb = 0; bb < nb; ++bb)
             for (uint t = 0; t < nt; ++t)
               part[c * p.t_block + t] += hist[s][bb] * float(x[(b0 + bb) * K + g * D + t0 + t]);
@@ -395,31 +401,48 @@ kernel void codebook_dscale_dbias(device const T* grad_out [[buffer(0)]],
 }
 
 // ---- instantiations ---------------------------------------------------------------------------
-template [[host_name("codebook_mv_f32")]] [[kernel]] decltype(codebook_mv<float, float>) codebook_mv<float, float>;
-template [[host_name("codebook_mv_f16")]] [[kernel]] decltype(codebook_mv<half, half>) codebook_mv<half, half>;
-template [[host_name("codebook_mv_f16_yf32")]] [[kernel]] decltype(codebook_mv<half, float>) codebook_mv<half, float>;
-template [[host_name("codebook_mm_f32")]] [[kernel]] decltype(codebook_mm<float, float>) codebook_mm<float, float>;
-template [[host_name("codebook_mm_f16")]] [[kernel]] decltype(codebook_mm<half, half>) codebook_mm<half, half>;
-template [[host_name("codebook_mm_f16_yf32")]] [[kernel]] decltype(codebook_mm<half, float>) codebook_mm<half, float>;
-template [[host_name("codebook_dx_mv_f32")]] [[kernel]] decltype(codebook_dx_mv<float>) codebook_dx_mv<float>;
-template [[host_name("codebook_dx_mv_f16")]] [[kernel]] decltype(codebook_dx_mv<half>) codebook_dx_mv<half>;
-template [[host_name("codebook_dx_mm_f32")]] [[kernel]] decltype(codebook_dx_mm<float>) codebook_dx_mm<float>;
-template [[host_name("codebook_dx_mm_f16")]] [[kernel]] decltype(codebook_dx_mm<half>) codebook_dx_mm<half>;
+// Index types: uchar (E <= 256) and ushort ("_u16": int16/uint16 indices, E <= 65536).
+template [[host_name("codebook_mv_f32")]] [[kernel]] decltype(codebook_mv<float, float, uchar>) codebook_mv<float, float, uchar>;
+template [[host_name("codebook_mm_f32")]] [[kernel]] decltype(codebook_mm<float, float, uchar>) codebook_mm<float, float, uchar>;
+template [[host_name("codebook_dx_mv_f32")]] [[kernel]] decltype(codebook_dx_mv<float, uchar>) codebook_dx_mv<float, uchar>;
+template [[host_name("codebook_dx_mm_f32")]] [[kernel]] decltype(codebook_dx_mm<float, uchar>) codebook_dx_mm<float, uchar>;
+template [[host_name("codebook_mv_u16_f32")]] [[kernel]] decltype(codebook_mv<float, float, ushort>) codebook_mv<float, float, ushort>;
+template [[host_name("codebook_mm_u16_f32")]] [[kernel]] decltype(codebook_mm<float, float, ushort>) codebook_mm<float, float, ushort>;
+template [[host_name("codebook_dx_mv_u16_f32")]] [[kernel]] decltype(codebook_dx_mv<float, ushort>) codebook_dx_mv<float, ushort>;
+template [[host_name("codebook_dx_mm_u16_f32")]] [[kernel]] decltype(codebook_dx_mm<float, ushort>) codebook_dx_mm<float, ushort>;
 template [[host_name("codebook_dcodebook_partial_f32")]] [[kernel]] decltype(codebook_dcodebook_partial<float>) codebook_dcodebook_partial<float>;
-template [[host_name("codebook_dcodebook_partial_f16")]] [[kernel]] decltype(codebook_dcodebook_partial<half>) codebook_dcodebook_partial<half>;
 template [[host_name("codebook_dcodebook_reduce_f32")]] [[kernel]] decltype(codebook_dcodebook_reduce<float>) codebook_dcodebook_reduce<float>;
-template [[host_name("codebook_dcodebook_reduce_f16")]] [[kernel]] decltype(codebook_dcodebook_reduce<half>) codebook_dcodebook_reduce<half>;
 template [[host_name("codebook_dscale_dbias_f32")]] [[kernel]] decltype(codebook_dscale_dbias<float>) codebook_dscale_dbias<float>;
+template [[host_name("codebook_mv_f16")]] [[kernel]] decltype(codebook_mv<half, half, uchar>) codebook_mv<half, half, uchar>;
+template [[host_name("codebook_mv_f16_yf32")]] [[kernel]] decltype(codebook_mv<half, float, uchar>) codebook_mv<half, float, uchar>;
+template [[host_name("codebook_mm_f16")]] [[kernel]] decltype(codebook_mm<half, half, uchar>) codebook_mm<half, half, uchar>;
+template [[host_name("codebook_mm_f16_yf32")]] [[kernel]] decltype(codebook_mm<half, float, uchar>) codebook_mm<half, float, uchar>;
+template [[host_name("codebook_dx_mv_f16")]] [[kernel]] decltype(codebook_dx_mv<half, uchar>) codebook_dx_mv<half, uchar>;
+template [[host_name("codebook_dx_mm_f16")]] [[kernel]] decltype(codebook_dx_mm<half, uchar>) codebook_dx_mm<half, uchar>;
+template [[host_name("codebook_mv_u16_f16")]] [[kernel]] decltype(codebook_mv<half, half, ushort>) codebook_mv<half, half, ushort>;
+template [[host_name("codebook_mv_u16_f16_yf32")]] [[kernel]] decltype(codebook_mv<half, float, ushort>) codebook_mv<half, float, ushort>;
+template [[host_name("codebook_mm_u16_f16")]] [[kernel]] decltype(codebook_mm<half, half, ushort>) codebook_mm<half, half, ushort>;
+template [[host_name("codebook_mm_u16_f16_yf32")]] [[kernel]] decltype(codebook_mm<half, float, ushort>) codebook_mm<half, float, ushort>;
+template [[host_name("codebook_dx_mv_u16_f16")]] [[kernel]] decltype(codebook_dx_mv<half, ushort>) codebook_dx_mv<half, ushort>;
+template [[host_name("codebook_dx_mm_u16_f16")]] [[kernel]] decltype(codebook_dx_mm<half, ushort>) codebook_dx_mm<half, ushort>;
+template [[host_name("codebook_dcodebook_partial_f16")]] [[kernel]] decltype(codebook_dcodebook_partial<half>) codebook_dcodebook_partial<half>;
+template [[host_name("codebook_dcodebook_reduce_f16")]] [[kernel]] decltype(codebook_dcodebook_reduce<half>) codebook_dcodebook_reduce<half>;
 template [[host_name("codebook_dscale_dbias_f16")]] [[kernel]] decltype(codebook_dscale_dbias<half>) codebook_dscale_dbias<half>;
 
 // bfloat needs the Metal 3.1 language (macOS 14); older systems compile everything above.
 #if __METAL_VERSION__ >= 310
-template [[host_name("codebook_mv_bf16")]] [[kernel]] decltype(codebook_mv<bfloat, bfloat>) codebook_mv<bfloat, bfloat>;
-template [[host_name("codebook_mv_bf16_yf32")]] [[kernel]] decltype(codebook_mv<bfloat, float>) codebook_mv<bfloat, float>;
-template [[host_name("codebook_mm_bf16")]] [[kernel]] decltype(codebook_mm<bfloat, bfloat>) codebook_mm<bfloat, bfloat>;
-template [[host_name("codebook_mm_bf16_yf32")]] [[kernel]] decltype(codebook_mm<bfloat, float>) codebook_mm<bfloat, float>;
-template [[host_name("codebook_dx_mv_bf16")]] [[kernel]] decltype(codebook_dx_mv<bfloat>) codebook_dx_mv<bfloat>;
-template [[host_name("codebook_dx_mm_bf16")]] [[kernel]] decltype(codebook_dx_mm<bfloat>) codebook_dx_mm<bfloat>;
+template [[host_name("codebook_mv_bf16")]] [[kernel]] decltype(codebook_mv<bfloat, bfloat, uchar>) codebook_mv<bfloat, bfloat, uchar>;
+template [[host_name("codebook_mv_bf16_yf32")]] [[kernel]] decltype(codebook_mv<bfloat, float, uchar>) codebook_mv<bfloat, float, uchar>;
+template [[host_name("codebook_mm_bf16")]] [[kernel]] decltype(codebook_mm<bfloat, bfloat, uchar>) codebook_mm<bfloat, bfloat, uchar>;
+template [[host_name("codebook_mm_bf16_yf32")]] [[kernel]] decltype(codebook_mm<bfloat, float, uchar>) codebook_mm<bfloat, float, uchar>;
+template [[host_name("codebook_dx_mv_bf16")]] [[kernel]] decltype(codebook_dx_mv<bfloat, uchar>) codebook_dx_mv<bfloat, uchar>;
+template [[host_name("codebook_dx_mm_bf16")]] [[kernel]] decltype(codebook_dx_mm<bfloat, uchar>) codebook_dx_mm<bfloat, uchar>;
+template [[host_name("codebook_mv_u16_bf16")]] [[kernel]] decltype(codebook_mv<bfloat, bfloat, ushort>) codebook_mv<bfloat, bfloat, ushort>;
+template [[host_name("codebook_mv_u16_bf16_yf32")]] [[kernel]] decltype(codebook_mv<bfloat, float, ushort>) codebook_mv<bfloat, float, ushort>;
+template [[host_name("codebook_mm_u16_bf16")]] [[kernel]] decltype(codebook_mm<bfloat, bfloat, ushort>) codebook_mm<bfloat, bfloat, ushort>;
+template [[host_name("codebook_mm_u16_bf16_yf32")]] [[kernel]] decltype(codebook_mm<bfloat, float, ushort>) codebook_mm<bfloat, float, ushort>;
+template [[host_name("codebook_dx_mv_u16_bf16")]] [[kernel]] decltype(codebook_dx_mv<bfloat, ushort>) codebook_dx_mv<bfloat, ushort>;
+template [[host_name("codebook_dx_mm_u16_bf16")]] [[kernel]] decltype(codebook_dx_mm<bfloat, ushort>) codebook_dx_mm<bfloat, ushort>;
 template [[host_name("codebook_dcodebook_partial_bf16")]] [[kernel]] decltype(codebook_dcodebook_partial<bfloat>) codebook_dcodebook_partial<bfloat>;
 template [[host_name("codebook_dcodebook_reduce_bf16")]] [[kernel]] decltype(codebook_dcodebook_reduce<bfloat>) codebook_dcodebook_reduce<bfloat>;
 template [[host_name("codebook_dscale_dbias_bf16")]] [[kernel]] decltype(codebook_dscale_dbias<bfloat>) codebook_dscale_dbias<bfloat>;

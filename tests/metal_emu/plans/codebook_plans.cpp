@@ -1,6 +1,7 @@
 // extern "C" wrappers of rlx/mps_codebook_plan.h for the emulator tests.
-// Shape arguments (10): rows, in_features, out_features, groups, num_codebooks, num_entries,
-// entry_dim, has_scales, has_bias, dtype (0 f32, 1 f16, 2 bf16); some functions take more.
+// Shape arguments (11): rows, in_features, out_features, groups, num_codebooks, num_entries,
+// entry_dim, has_scales, has_bias, dtype (0 f32, 1 f16, 2 bf16), index_bytes (1 or 2); some
+// functions take more.
 #include "rlx/mps_codebook_plan.h"
 #include "rlx_emu_plan.h"
 
@@ -8,7 +9,7 @@ using namespace rlx::mps;
 
 namespace {
 bool read_shape(const int64_t* a, int n, int want, CodebookShape* s) {
-  if (n != want || a[9] < 0 || a[9] > 2) return false;
+  if (n != want || a[9] < 0 || a[9] > 2 || (a[10] != 1 && a[10] != 2)) return false;
   s->rows = a[0];
   s->in_features = a[1];
   s->out_features = a[2];
@@ -19,21 +20,22 @@ bool read_shape(const int64_t* a, int n, int want, CodebookShape* s) {
   s->has_scales = a[7] != 0;
   s->has_bias = a[8] != 0;
   s->dtype = CodebookDtype(a[9]);
+  s->index_bytes = a[10];
   return codebook_shape_fits(*s);
 }
 }  // namespace
 
 extern "C" int plan_codebook_forward(const int64_t* a, int n, rlx_emu_plan* out) {
   CodebookShape s;
-  if (!read_shape(a, n, 11, &s)) return 1;
-  const CodebookPlan p = plan_codebook_forward(s, a[10] != 0);
+  if (!read_shape(a, n, 12, &s)) return 1;
+  const CodebookPlan p = plan_codebook_forward(s, a[11] != 0);
   rlx_emu_fill(out, p.launch, p.params);
   return 0;
 }
 
 extern "C" int plan_codebook_dx(const int64_t* a, int n, rlx_emu_plan* out) {
   CodebookShape s;
-  if (!read_shape(a, n, 10, &s)) return 1;
+  if (!read_shape(a, n, 11, &s)) return 1;
   const CodebookPlan p = plan_codebook_dx(s);
   rlx_emu_fill(out, p.launch, p.params);
   return 0;
@@ -41,7 +43,7 @@ extern "C" int plan_codebook_dx(const int64_t* a, int n, rlx_emu_plan* out) {
 
 extern "C" int plan_codebook_dcodebook_partial(const int64_t* a, int n, rlx_emu_plan* out) {
   CodebookShape s;
-  if (!read_shape(a, n, 10, &s)) return 1;
+  if (!read_shape(a, n, 11, &s)) return 1;
   const CodebookPlan p = plan_codebook_dcodebook_partial(s);
   rlx_emu_fill(out, p.launch, p.params);
   return 0;
@@ -49,13 +51,13 @@ extern "C" int plan_codebook_dcodebook_partial(const int64_t* a, int n, rlx_emu_
 
 extern "C" int64_t codebook_partials(const int64_t* a, int n) {
   CodebookShape s;
-  if (!read_shape(a, n, 10, &s)) return -1;
+  if (!read_shape(a, n, 11, &s)) return -1;
   return int64_t(codebook_partials_count(plan_codebook_dcodebook_partial(s)));
 }
 
 extern "C" int plan_codebook_dcodebook_reduce(const int64_t* a, int n, rlx_emu_plan* out) {
   CodebookShape s;
-  if (!read_shape(a, n, 10, &s)) return 1;
+  if (!read_shape(a, n, 11, &s)) return 1;
   const CodebookPlan p = plan_codebook_dcodebook_reduce(plan_codebook_dcodebook_partial(s), s.dtype);
   rlx_emu_fill(out, p.launch, p.params);
   return 0;
@@ -63,8 +65,16 @@ extern "C" int plan_codebook_dcodebook_reduce(const int64_t* a, int n, rlx_emu_p
 
 extern "C" int plan_codebook_dscale_dbias(const int64_t* a, int n, rlx_emu_plan* out) {
   CodebookShape s;
-  if (!read_shape(a, n, 12, &s)) return 1;
-  const CodebookPlan p = plan_codebook_dscale_dbias(s, a[10] != 0, a[11] != 0);
+  if (!read_shape(a, n, 13, &s)) return 1;
+  const CodebookPlan p = plan_codebook_dscale_dbias(s, a[11] != 0, a[12] != 0);
+  rlx_emu_fill(out, p.launch, p.params);
+  return 0;
+}
+
+extern "C" int plan_codebook_dcodebook_sorted(const int64_t* a, int n, rlx_emu_plan* out) {
+  CodebookShape s;
+  if (!read_shape(a, n, 11, &s)) return 1;
+  const CodebookSortedPlan p = plan_codebook_dcodebook_sorted(s);
   rlx_emu_fill(out, p.launch, p.params);
   return 0;
 }

@@ -1,4 +1,4 @@
-"""The dense weight of a codebook-quantized matrix, and the index dtypes codebooks use."""
+"""Dense weights from codebook indices, and the index dtypes codebooks use."""
 
 from __future__ import annotations
 
@@ -50,11 +50,11 @@ def pack_indices(values: torch.Tensor, num_entries: int) -> torch.Tensor:
 
 
 def _as_long(indices: torch.Tensor) -> torch.Tensor:
-    if indices.dtype == torch.uint8:
+    if indices.dtype in (torch.uint8, torch.uint16):
         return indices.long()
     if indices.dtype == torch.int16:
         return indices.long() & 0xFFFF  # 16-bit indices are unsigned: -1 means 65535
-    raise ValueError(f"dequantize: indices must be uint8 or int16, got {indices.dtype}")
+    raise ValueError(f"dequantize: indices must be uint8, int16 or uint16, got {indices.dtype}")
 
 
 def dequantize(
@@ -63,9 +63,9 @@ def dequantize(
     """The dense weight ``W[j, g*D + t] = scales[j] * sum_m codebook[m, indices[j, g, m], t]``.
 
     ``indices`` is ``[N, K/D]`` with ``codebook`` ``[E, D]``, or ``[N, K/D, M]`` with ``[M, E, D]``;
-    uint8 or int16 (unsigned 16-bit). Returns ``[N, K]`` in the codebook's dtype, differentiable
-    in ``codebook`` and ``scales``. Builds the whole matrix: for products, use
-    ``rlx_torch.codebook_matmul``, which does not.
+    uint8, int16 (read as unsigned 16-bit) or uint16. Returns ``[N, K]`` in the codebook's
+    dtype, differentiable in ``codebook`` and ``scales``. Builds the whole matrix: for
+    products, use ``rlx_torch.codebook_matmul``, which does not.
 
     Example::
 

@@ -1,0 +1,187 @@
+"""rlx::codebook_matmul with 16-bit indices (E up to 65536: AQLM's 1x16 and 2x16 schemes), on
+the gather path (small batches) and the dense path (large batches), against a float64
+reference written here from the definition."""
+
+import pytest
+import torch
+
+import rlx_torch
+
+INDEX_DTYPES = [torch.int16, torch.uint16]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def codes_as_long(indices):
+    """Codes read as 16-bit patterns: int16 values modulo 2**16."""
+    return indices.to(torch.int64) % 65536
+
+
+def reference(x, indices, codebook, scales=None, bias=None):
+    """float64: out[..., j] = s_j * sum_{g,m} x[..., g*D:(g+1)*D] . C[m, I[j,g,m]] + b_j."""
+    idx = codes_as_long(indices)
+    if idx.dim() == 2:
+        idx, codebook = idx.unsqueeze(-1), codebook.unsqueeze(0)
+    n, groups, m = idx.shape
+    cb = codebook.double()
+    weight = torch.zeros(n, groups, cb.shape[-1], dtype=torch.float64)
+    for k in range(m):
+        weight += cb[k][idx[:, :, k]]
+    out = x.double() @ weight.reshape(n, -1).T
+    if scales is not None:
+        out = out * scales.double()
+    if bias is not None:
+        out = out + bias.double()
+    return out
+
+
+def make(rows, n, groups, d=8, e=65536, m=1, dtype=torch.float32, index_dtype=torch.int16,
+         seed=0, scales=True, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    lead = rows if isinstance(rows, tuple) else (rows,)
+    x = torch.randn(*lead, groups * d, generator=gen).to(dtype)
+    shape = (n, groups, m) if m > 1 else (n, groups)
+    codes = torch.randint(0, e, shape, generator=gen, dtype=torch.int64)
+    # int16 holds codes >= 2**15 as negative numbers (AQLM's layout); uint16 holds them as is.
+    indices = (codes - 65536 * (codes >= 32768)).to(torch.int16)
+    if index_dtype == torch.uint16:
+        indices = indices.view(torch.uint16)
+    cb_shape = (m, e, d) if m > 1 else (e, d)
+    codebook = (torch.randn(cb_shape, generator=gen) / (groups * m) ** 0.5).to(dtype)
+    s = (torch.rand(n, generator=gen) + 0.5).to(dtype) if scales else None
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    return x, indices, codebook, s, b
+
+
+# rows (1, 2, 3-4, 5-16: the gather tile shapes; 40: the dense path), N, K/D, D, E, M
+SHAPES = [
+    (1, 37, 5, 8, 65536, 1),
+    (2, 9, 3, 4, 300, 2),
+    (3, 33, 7, 16, 5000, 1),
+    (5, 21, 9, 3, 1000, 1),  # D = 3: the any-D loops
+    (16, 40, 6, 8, 65536, 2),
+    (40, 17, 6, 8, 40000, 1),
+    ((2, 3, 2), 15, 4, 8, 257, 1),
+]
+
+
+@pytest.mark.parametrize("index_dtype", INDEX_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_forward_and_backward_match_reference(shape, dtype, index_dtype):
+    rows, n, groups, d, e, m = shape
+    x, idx, cb, s, b = make(rows, n, groups, d, e, m, dtype, index_dtype, seed=n + groups)
+    assert (codes_as_long(idx) >= 32768).any() == (e > 32768)
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    assert out.dtype == dtype and out.shape == (*x.shape[:-1], n)
+    tol = TOL[dtype]
+    want = reference(x, idx, cb, s, b)
+    torch.testing.assert_close(out.double(), want, atol=tol * 10, rtol=tol)
+
+    leaves = [t.clone().requires_grad_() for t in (x, cb, s, b)]
+    grad_out = torch.randn(out.shape).to(dtype)
+    got = torch.autograd.grad(rlx_torch.codebook_matmul(leaves[0], idx, *leaves[1:]), leaves,
+                              grad_out)
+    up = [t.detach().double().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(reference(up[0], idx, *up[1:]), up, grad_out.double())
+    for name, g, w in zip(["x", "codebook", "scales", "bias"], got, want, strict=True):
+        assert g.dtype == dtype and g.shape == w.shape, name
+        scale = w.abs().max().clamp_min(1)
+        torch.testing.assert_close(g.double() / scale, w / scale, atol=tol * 10, rtol=tol,
+                                   msg=name)
+
+
+def test_int16_and_uint16_give_the_same_bits():
+    x, idx, cb, s, b = make(3, 20, 6, e=65536)
+    assert (idx < 0).any()
+    a = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    assert torch.equal(a, rlx_torch.codebook_matmul(x, idx.view(torch.uint16), cb, s, b))
+
+
+@pytest.mark.parametrize("rows,m", [(1, 1), (3, 2), (20, 1)])
+def test_gradcheck(rows, m):
+    x, idx, cb, s, b = make(rows, 7, 3, d=4, e=300, m=m, dtype=torch.float64)
+    args = [t.requires_grad_() for t in (x, cb, s, b)]
+    assert torch.autograd.gradcheck(lambda *a: rlx_torch.codebook_matmul(a[0], idx, *a[1:]), args)
+
+
+def test_opcheck():
+    x, idx, cb, s, b = make(5, 9, 3, d=4, e=700, m=2)
+    for ix in (idx, idx.view(torch.uint16)):
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul.default, (x, ix, cb, s, b))
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul.default, (x[0], ix, cb, None, None))
+        for mask in ([True] * 4, [True, False, False, True], [False, True, False, False]):
+            torch.library.opcheck(torch.ops.rlx.codebook_matmul_backward.default,
+                                  (torch.randn(5, 9), x, ix, cb, s, mask))
+
+
+def test_non_contiguous_inputs():
+    x, idx, cb, s, b = make(6, 13, 4, e=1000, m=2)
+    x_strided = torch.randn(6, 64)[:, ::2]
+    idx_nc = idx.transpose(0, 1).contiguous().transpose(0, 1)
+    cb_nc = cb.transpose(1, 2).contiguous().transpose(1, 2)
+    s_nc = torch.stack([s, s], 1)[:, 0]
+    out = rlx_torch.codebook_matmul(x_strided, idx_nc, cb_nc, s_nc, b)
+    torch.testing.assert_close(out.double(), reference(x_strided, idx, cb, s, b), atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_empty_dims():
+    x, idx, cb, s, b = make(0, 7, 3, e=500)
+    leaves = [t.requires_grad_() for t in (x, cb, s, b)]
+    out = rlx_torch.codebook_matmul(leaves[0], idx, *leaves[1:])
+    assert out.shape == (0, 7)
+    gx, gc, gs, gb = torch.autograd.grad(out.sum(), leaves)
+    assert gx.shape == (0, 24) and not gc.any() and not gs.any() and not gb.any()
+    x, idx, cb, s, b = make(3, 0, 2, e=500)
+    assert rlx_torch.codebook_matmul(x, idx, cb, s, b).shape == (3, 0)
+
+
+def test_deterministic_across_thread_counts():
+    x, idx, cb, s, b = make(7, 300, 40, e=65536, m=2)
+    grad_out = torch.randn(7, 300)
+    mask = [True, True, True, True]
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    grads = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, mask)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 3):
+            torch.set_num_threads(n)
+            assert torch.equal(rlx_torch.codebook_matmul(x, idx, cb, s, b), out)
+            again = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, mask)
+            for g, h in zip(again, grads, strict=True):
+                assert torch.equal(g, h)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])  # gather tiles and the dense path
+def test_out_of_range_index_raises(rows):
+    x, idx, cb, s, b = make(rows, 9, 4, e=1000)
+    idx[3, 1] = 1000
+    with pytest.raises(ValueError, match="indices must be < E=1000"):
+        rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    with pytest.raises(ValueError, match="indices must be < E=1000"):
+        torch.ops.rlx.codebook_matmul_backward(torch.ones(rows, 9), x, idx, cb, s, [True] * 4)
+    idx[3, 1] = -1  # 65535 as a 16-bit code
+    with pytest.raises(ValueError, match="found 65535"):
+        rlx_torch.codebook_matmul(x, idx, cb, s, b)
+
+
+@pytest.mark.parametrize(
+    "match,kwargs",
+    [
+        ("1 to 65536 entries E", {"codebook": torch.randn(65537, 8)}),
+        ("1 to 256 entries E", {"indices": torch.zeros(10, 4, dtype=torch.uint8),
+                                "codebook": torch.randn(300, 8)}),
+        ("indices must be uint8, int16 or uint16", {"indices": torch.zeros(10, 4,
+                                                                           dtype=torch.int32)}),
+    ],
+)
+def test_bad_input(match, kwargs):
+    x, idx, cb, s, b = make(3, 10, 4, e=500)
+    args = {"x": x, "indices": idx, "codebook": cb, "scales": s, "bias": b, **kwargs}
+    for device in ("cpu", "meta"):
+        moved = {k: v.to(device) for k, v in args.items()}
+        with pytest.raises(ValueError, match=match):
+            torch.ops.rlx.codebook_matmul(*moved.values())
