@@ -45,17 +45,22 @@ class AllGatherThenMuon:
 
     def __init__(self, params, world: int, **settings):
         self.params, self.world = params, world
-        self.shards = [p.grad.flatten().chunk(world)[dist.get_rank()].clone() for p in params]
+        rank = dist.get_rank()
+        self.sizes = [-(-p.numel() // world) for p in params]  # padded equal shards
+        self.shards = []
+        for p, size in zip(params, self.sizes, strict=True):
+            flat = torch.nn.functional.pad(p.grad.flatten(), (0, size * world - p.numel()))
+            self.shards.append(flat[rank * size:(rank + 1) * size].clone())
         self.opt = Muon(params, **settings)
         self.last_step_bytes = 0
 
     def step(self):
         received = 0
-        for p, shard in zip(self.params, self.shards, strict=True):
-            parts = [torch.empty_like(s) for s in p.grad.flatten().chunk(self.world)]
+        for p, shard, size in zip(self.params, self.shards, self.sizes, strict=True):
+            parts = [torch.empty(size) for _ in range(self.world)]
             dist.all_gather(parts, shard)
-            p.grad = torch.cat(parts).view(p.shape)
-            received += sum(x.numel() * x.element_size() for x in parts) - shard.numel() * 4
+            p.grad = torch.cat(parts)[: p.numel()].view(p.shape)
+            received += (self.world - 1) * size * shard.element_size()
         self.last_step_bytes = received
         self.opt.step()
 
@@ -72,7 +77,7 @@ def _worker(rank, world, tmp, d, layers, rounds, steps, threads, queue):
     }
     opts = {name: make(gpt_params(d, layers)) for name, make in contenders.items()}
     times = {name: [] for name in opts}
-    for name, opt in opts.items():  # warm-up
+    for opt in opts.values():  # warm-up
         opt.step()
     for _ in range(rounds):
         for name, opt in opts.items():

@@ -1,11 +1,15 @@
 """rlx_torch.optim.cpu_features: what the CPU offers, and the Newton–Schulz dtype and kernels
 chosen from it."""
 
+import importlib
+
 import torch
 
-from rlx_torch.optim import cpu_features as features_module
 from rlx_torch.optim import muon as muon_module
 from rlx_torch.optim.cpu_features import cpu_features, native_bf16
+
+# The package re-exports the function `cpu_features` under its module's name.
+features_module = importlib.import_module("rlx_torch.optim.cpu_features")
 
 
 def test_features_match_proc_cpuinfo():
