@@ -24,6 +24,8 @@ import torch
 
 try:
     from rlx_torch.optim import Muon
+    from rlx_torch.optim.cpu_features import cpu_features, symmetric_kernel_pays
+    from rlx_torch.optim.muon import default_ns_dtype
 except ImportError:
     # The optimizer is pure Python: run it without the compiled extension (e.g. on a machine
     # where rlx_torch._C is not built for the local torch).
@@ -32,6 +34,8 @@ except ImportError:
     package.__path__ = [str(root)]
     sys.modules["rlx_torch"] = package
     from rlx_torch.optim import Muon
+    from rlx_torch.optim.cpu_features import cpu_features, symmetric_kernel_pays
+    from rlx_torch.optim.muon import default_ns_dtype
 
 CUDA_SETS = [(768, 12), (2048, 24)]
 CPU_SETS = [(256, 12)]
@@ -66,7 +70,7 @@ def time_steps(opt, steps: int, device: str) -> float:
 def bench_set(d: int, layers: int, device: str, rounds: int, steps: int) -> dict:
     params = gpt_params(d, layers, device)
     settings = dict(lr=0.02, momentum=0.95, nesterov=True, weight_decay=0.1, ns_steps=5,
-                    adjust_lr_fn="original")
+                    adjust_lr_fn="original")  # the defaults' NS dtype: see default_ns_dtype
     contenders = {
         "torch.optim.Muon": torch.optim.Muon(params, **settings),
         "rlx Muon (bf16 NS)": Muon(params, ns_dtype=torch.bfloat16, **settings),
@@ -109,12 +113,24 @@ def main() -> None:
     else:
         sets = CUDA_SETS if args.device == "cuda" else CPU_SETS
     machine = (torch.cuda.get_device_name() if args.device == "cuda"
-               else f"{platform.processor() or platform.machine()}, "
+               else f"{cpu_features().model if args.device == 'cpu' else platform.machine()}, "
                     f"{torch.get_num_threads()} threads")
     print(f"torch {torch.__version__}, {args.device}: {machine}")
+    kernels = {}
+    if args.device == "cpu":
+        # What decided the kernel choices: the default NS dtype (bf16 only with native bf16
+        # arithmetic) and whether bf16 symmetric products use rlx::symmetric_matmul.
+        kernels = dict(cpu=cpu_features().summary(),
+                       default_ns_dtype=str(default_ns_dtype(torch.device("cpu"),
+                                                             torch.float32)),
+                       symmetric_kernel=symmetric_kernel_pays(),
+                       torch_cpu_capability=torch.backends.cpu.get_cpu_capability())
+        for key, value in kernels.items():
+            print(f"  {key}: {value}")
     results = []
     for d, layers in sets:
         r = bench_set(d, layers, args.device, args.rounds, args.steps)
+        sys.stdout.flush()
         results.append(r)
         print(f"\nd={d}, {layers} layers: {r['matrices']} matrices, {r['params_m']} M params")
         for name, ms in r["ms"].items():
@@ -122,7 +138,7 @@ def main() -> None:
             tail = f"  {ratio:.2f}x faster than torch.optim.Muon" if ratio else ""
             print(f"  {name:<30} {ms:10.2f} ms/step{tail}")
     print(json.dumps(dict(bench="muon", device=args.device, machine=machine,
-                          torch=torch.__version__, results=results)))
+                          torch=torch.__version__, kernels=kernels, results=results)))
 
 
 if __name__ == "__main__":

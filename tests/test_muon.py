@@ -4,6 +4,7 @@ import copy
 import importlib
 import io
 import math
+import os
 
 import pytest
 import torch
@@ -56,11 +57,30 @@ def train(net, opt, steps, x, y):
 # ---- parity with torch.optim.Muon ----
 
 
+def reference_muon_trajectory(steps, x, y, lr, weight_decay, momentum, nesterov, ns_steps):
+    """torch.optim.Muon's algorithm written from its definition, all in float64."""
+    net = small_mlp().double()
+    params = list(net.parameters())
+    bufs = [torch.zeros_like(p) for p in params]
+    for _ in range(steps):
+        net.zero_grad()
+        ((net(x.double()) - y.double()) ** 2).mean().backward()
+        with torch.no_grad():
+            for p, buf in zip(params, bufs, strict=True):
+                buf.lerp_(p.grad, 1 - momentum)
+                update = p.grad.lerp(buf, momentum) if nesterov else buf
+                ortho = reference_ns(update, [KELLER] * ns_steps)
+                p.mul_(1 - lr * weight_decay)
+                p.sub_(lr * math.sqrt(max(1, p.shape[0] / p.shape[1])) * ortho)
+    return [p.detach().float() for p in params]
+
+
 def test_trajectory_matches_torch_muon_within_bf16_tolerance():
     torch.manual_seed(1)
     x, y = torch.randn(64, 16), torch.randn(64, 8)
     settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True, ns_steps=5)
     start = [p.detach().clone() for p in small_mlp().parameters()]
+    exact = reference_muon_trajectory(20, x, y, **settings)
 
     net = small_mlp()
     theirs = train(net, torch.optim.Muon(net.parameters(), adjust_lr_fn="original",
@@ -73,19 +93,26 @@ def test_trajectory_matches_torch_muon_within_bf16_tolerance():
         kw.update(overrides)
         return train(net, Muon(net.parameters(), **kw), 20, x, y)
 
-    # bf16 Newton–Schulz amplifies last-bit differences (normalisation order, norm precision)
-    # through 20 steps of training: a torch run with its grads perturbed by 2^-8 moves about
-    # 5% of the displacement. Allow 6% of each matrix's total displacement.
-    def max_rel_gap(a_params):
+    def max_rel_gap(a_params, b_params):
+        """Largest difference, relative to each matrix's total displacement."""
         return max(
             ((a - b).abs().max() / (b - s).abs().max()).item()
-            for a, b, s in zip(a_params, theirs, start, strict=True)
+            for a, b, s in zip(a_params, b_params, start, strict=True)
         )
 
-    assert max_rel_gap(ours()) < 0.06
-    # The tolerance is tight enough to see a real difference in settings.
-    assert max_rel_gap(ours(nesterov=False)) > 0.06
-    assert max_rel_gap(ours(adjust_lr_fn="match_rms_adamw")) > 0.06
+    # The noise floor of bf16 Newton–Schulz on this platform: how far torch.optim.Muon's own
+    # bf16 run ends from the exact trajectory after 20 steps (last-bit differences of its
+    # matmuls, amplified by training; it differs between x86 and Arm).
+    floor = max_rel_gap(theirs, exact)
+    # Without bf16 rounding our step is the exact algorithm, far below that floor ...
+    assert max_rel_gap(ours(ns_dtype=torch.float32), exact) < floor / 20
+    # ... and with bf16 NS it is as close to exact as torch's bf16 run is, and so close to it.
+    assert max_rel_gap(ours(), exact) < 2 * floor
+    assert max_rel_gap(ours(), theirs) < 3 * floor
+    # Real differences in the settings stand far out of the float32 bound.
+    assert max_rel_gap(ours(nesterov=False, ns_dtype=torch.float32), exact) > floor
+    assert max_rel_gap(ours(adjust_lr_fn="match_rms_adamw", ns_dtype=torch.float32),
+                       exact) > floor
 
 
 def test_adamw_side_matches_torch_adamw_exactly():
@@ -230,8 +257,22 @@ def hard_gradients(m, n, count=4):
 
 def bf16_gram_failures(shape, schedule):
     """Inputs where the bf16 Gram form is clearly worse than the bf16 standard iteration."""
+    inputs = hard_gradients(*shape)
+    # The largest singular value may exceed the standard iteration's by the Gram form's own
+    # bf16 excursions (measured 0.066 on x86 and 0.10 on Arm, where both iterations are
+    # otherwise alike) plus the platform's bf16 noise: how far the standard iteration's
+    # largest singular value moves between float32 and bf16, amplified as R's rounding is
+    # within a phase (eigenvalues of R by at most GRAM_MAX_GROWTH, so singular values by its
+    # square root). A run without restarts overshoots by factors of 10 and more.
+    def top_sv(G, dtype):
+        out = newton_schulz(G, schedule, 1e-7, dtype, method="standard").double()
+        return torch.linalg.svdvals(out).max().item()
+
+    spread = max(abs(top_sv(G, torch.bfloat16) - top_sv(G, torch.float32))
+                 for G in inputs.values())
+    sv_margin = 0.1 + math.sqrt(ns_module.GRAM_MAX_GROWTH) * spread
     failures = []
-    for name, G in hard_gradients(*shape).items():
+    for name, G in inputs.items():
         exact = torch.stack(
             [reference_ns(g, schedule.coefficients, safety=schedule.safety) for g in G]
         )
@@ -246,7 +287,7 @@ def bf16_gram_failures(shape, schedule):
         (std_err, std_sv), (gram_err, gram_sv) = result["standard"], result["gram"]
         # bf16 NS itself is far from exact on ill-conditioned inputs (errors up to ~0.7 here);
         # the Gram form may differ by rounding, not by more.
-        if not (gram_err <= 1.5 * std_err + 0.05 and gram_sv <= std_sv + 0.1):
+        if not (gram_err <= 1.5 * std_err + 0.05 and gram_sv <= std_sv + sv_margin):
             failures.append((name, result))
     return failures
 
@@ -304,7 +345,8 @@ def test_cpu_batches_are_split_at_the_cpu_limit_with_the_same_result(monkeypatch
     "adjust, scale",
     [("original", lambda r, c: math.sqrt(max(1, r / c))),
      ("match_rms_adamw", lambda r, c: 0.2 * math.sqrt(max(r, c))),
-     (None, lambda r, c: 1.0)],
+     (None, lambda r, c: math.sqrt(max(1, r / c))),  # None means "original", as in torch
+     ("identity", lambda r, c: 1.0)],
 )
 @pytest.mark.parametrize("shape", [(12, 5), (5, 12)])
 def test_single_step_formula(adjust, scale, shape):
@@ -330,7 +372,8 @@ def reference_matrices(shape, nd_mode):
 
 
 SCALES = {"original": lambda r, c: math.sqrt(max(1, r / c)),
-          "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)), None: lambda r, c: 1.0}
+          "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
+          None: lambda r, c: math.sqrt(max(1, r / c)), "identity": lambda r, c: 1.0}
 
 shapes_2d = st.tuples(st.integers(1, 9), st.integers(1, 9))
 shapes_nd = st.one_of(shapes_2d, st.tuples(st.integers(1, 3), st.integers(1, 6), st.integers(1, 6)),
@@ -343,7 +386,7 @@ shapes_nd = st.one_of(shapes_2d, st.tuples(st.integers(1, 3), st.integers(1, 6),
     shapes=st.lists(shapes_nd, min_size=1, max_size=5),
     lr=st.floats(0.0, 0.2), momentum=st.floats(0.0, 0.99), nesterov=st.booleans(),
     weight_decay=st.sampled_from([0.0, 1e-6, 0.1, 0.5]),
-    adjust=st.sampled_from(["original", "match_rms_adamw", None]),
+    adjust=st.sampled_from(["original", "match_rms_adamw", None, "identity"]),
     nd_mode=st.sampled_from(["auto", "flatten", "batch"]),
     preset=st.sampled_from(["keller", "polar_express"]), seed=st.integers(0, 2**16),
 )
@@ -670,11 +713,21 @@ def test_muon_param_groups_overrides_and_tied_weights():
 
 def _devices():
     devs = ["cpu"]
-    if torch.backends.mps.is_available():
+    # RLX_SKIP_MPS=1: CI machines (GitHub's hosted Macs) that report an MPS device that
+    # cannot run kernels.
+    if torch.backends.mps.is_available() and os.environ.get("RLX_SKIP_MPS") != "1":
         devs.append("mps")
     if torch.cuda.is_available():
         devs.append("cuda")
     return devs
+
+
+def test_device_list_honours_rlx_skip_mps(monkeypatch):
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setenv("RLX_SKIP_MPS", "1")
+    assert "mps" not in _devices()
+    monkeypatch.setenv("RLX_SKIP_MPS", "0")
+    assert "mps" in _devices()
 
 
 def _train_codebook_layer(codebook_matmul, device):

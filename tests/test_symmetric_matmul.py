@@ -128,3 +128,45 @@ def test_fallback_path_gives_the_same_contract():
 def test_bad_input_raises(args, message):
     with pytest.raises(RuntimeError, match=message):
         symmetric_matmul(*args)
+
+
+# Inputs whose float32 sums are exact (small multiples of 2^-3, k = 16), so the float64
+# reference rounded once to bf16 is the exact expected output of every path.
+_EXACT_CODE = """
+import torch, rlx_torch
+from rlx_torch.ops.symmetric_matmul import symmetric_matmul
+g = torch.Generator().manual_seed(0)
+for t in (False, True):
+    for with_c in (False, True):
+        shape = (3, 16, 37) if t else (3, 37, 16)
+        a = (torch.randint(-8, 9, shape, generator=g) / 8).bfloat16()
+        m = shape[2] if t else shape[1]
+        s = torch.randint(-64, 65, (3, m, m), generator=g).double()
+        c = (s + s.mT).bfloat16() if with_c else None
+        out = symmetric_matmul(a, a, c, 1.5, 0.5, t, diag=0.375)
+        ad = a.double()
+        full = 1.5 * (ad.mT @ ad if t else ad @ ad.mT) + 0.375 * torch.eye(m, dtype=torch.double)
+        if with_c:
+            full = full + 0.5 * c.double()
+        assert torch.equal(out, full.bfloat16()), (t, with_c, (out.double() - full).abs().max())
+# 257 + 0.75: once rounded 258; rounding 257 first (to 256, ties to even) gives 256.
+a = torch.tensor([[[16.0, 1.0]]]).bfloat16()
+assert symmetric_matmul(a, a, None, 1.0, 0.0, False, diag=0.75).item() == 258.0
+empty = torch.zeros(2, 3, 0).bfloat16()
+c = torch.full((2, 3, 3), 257.0).bfloat16()  # 256 in bf16
+assert torch.equal(symmetric_matmul(empty, empty, c, 1.0, 1.0, False, diag=1.5),
+                   (256.0 + 1.5 * torch.eye(3)).expand(2, 3, 3).bfloat16())
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_every_path_rounds_once(fallback):
+    # The native kernel and the fallback both sum in float32 and round each output once
+    # (the fallback once rounded the diagonal twice: bf16 product, then bf16 diagonal add).
+    env = dict(os.environ)
+    if fallback:
+        env["RLX_NO_AVX512_BF16"] = "1"
+    result = subprocess.run([sys.executable, "-c", _EXACT_CODE], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace rlx {
@@ -74,34 +75,44 @@ void check_list(const char* op, const char* name, const at::TensorList& list,
   }
 }
 
-// One matrix of n values: pass 1 updates the buffer and sums the squares of the update
-// (8 float lanes, then a double, in a fixed order: reproducible); pass 2 writes the
-// normalized update, rounded once to out_t.
+// One matrix of n values: pass 1 updates the buffer and sums the squares of the update in
+// double (8 lanes, then their sum, in a fixed order: reproducible; float32 squares would
+// overflow from entries of about 1.8e19, although orthogonalization is scale-invariant);
+// pass 2 writes the normalized update, rounded once to out_t. The scale 1/norm is applied in
+// float32 unless it is below float32's normal range (a norm above about 8.5e37), then in
+// double, so that no digits are lost.
 template <bool kSmallW, bool kSmallMomentum, bool kNesterov, typename out_t>
 void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, float w,
                      float momentum, double eps, double safety, out_t* __restrict x) {
   auto update = [&](float gi, float bi) {
     return kNesterov ? lerp<kSmallMomentum>(gi, bi, momentum) : bi;
   };
-  float lanes[8] = {};
+  double lanes[8] = {};
   const int64_t n8 = n / 8 * 8;
   for (int64_t i0 = 0; i0 < n8; i0 += 8) {
     for (int64_t l = 0; l < 8; ++l) {
       const float nb = lerp<kSmallW>(b[i0 + l], g[i0 + l], w);
       b[i0 + l] = nb;
-      const float u = update(g[i0 + l], nb);
+      const double u = update(g[i0 + l], nb);
       lanes[l] += u * u;
     }
   }
   for (int64_t i = n8; i < n; ++i) {
     b[i] = lerp<kSmallW>(b[i], g[i], w);
-    const float u = update(g[i], b[i]);
+    const double u = update(g[i], b[i]);
     lanes[i - n8] += u * u;
   }
   double ss = 0;
-  for (float s : lanes) ss += s;
-  const float inv = static_cast<float>(1.0 / std::max(std::sqrt(ss) * safety, eps));
-  for (int64_t i = 0; i < n; ++i) store_as(x + i, update(g[i], b[i]) * inv);
+  for (double s : lanes) ss += s;
+  const double inv = 1.0 / std::max(std::sqrt(ss) * safety, eps);
+  if (inv >= static_cast<double>(std::numeric_limits<float>::min())) {
+    const float inv_f = static_cast<float>(inv);
+    for (int64_t i = 0; i < n; ++i) store_as(x + i, update(g[i], b[i]) * inv_f);
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      store_as(x + i, static_cast<float>(static_cast<double>(update(g[i], b[i])) * inv));
+    }
+  }
 }
 
 template <typename out_t>

@@ -10,8 +10,9 @@
 // The fast path needs AVX512-BF16 (vdpbf16ps: pairs of bf16 products summed into float32
 // lanes), chosen at run time; the rest of the extension is built for AVX2, so only the
 // functions marked RLX_AVX512_BF16 use those instructions. Elsewhere the op computes the
-// full product with at::baddbmm and mirrors its upper triangle, so results have the same
-// meaning on every CPU; `rlx::symmetric_matmul_is_native` tells callers whether it pays.
+// full product with at::baddbmm in float32 and mirrors its upper triangle, so results have
+// the same meaning on every CPU (float32 sums, one rounding to bf16);
+// `rlx::symmetric_matmul_is_native` tells callers whether it pays.
 // Accumulation is float32 (as in oneDNN's bf16 GEMM); each output is rounded to bf16 once.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -345,11 +346,15 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
                                 bool transposed, double diag) {
   check_operands(a_in, b_in, c_in, transposed);
   if (!cpu_has_avx512_bf16()) {
-    const at::Tensor lhs = transposed ? a_in.mT() : a_in, rhs = transposed ? b_in : b_in.mT();
-    at::Tensor full = c_in.has_value() ? at::baddbmm(*c_in, lhs, rhs, beta, alpha)
+    // The same arithmetic as the native path: products of bf16 values summed in float32,
+    // beta c and diag added in float32, one rounding to bf16 at the end (a bf16 baddbmm
+    // followed by a bf16 diagonal add would round the diagonal twice).
+    const at::Tensor a = a_in.to(at::kFloat), b = b_in.to(at::kFloat);
+    const at::Tensor lhs = transposed ? a.mT() : a, rhs = transposed ? b : b.mT();
+    at::Tensor full = c_in.has_value() ? at::baddbmm(c_in->to(at::kFloat), lhs, rhs, beta, alpha)
                                        : at::bmm(lhs, rhs).mul_(alpha);
     full.diagonal(0, -2, -1).add_(diag);
-    return symmetrize_upper(full);
+    return symmetrize_upper(full).to(at::kBFloat16);
   }
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   const std::optional<at::Tensor> c =
@@ -357,9 +362,10 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
   const int64_t N = a.size(0), m = a.size(transposed ? 2 : 1), kdim = a.size(transposed ? 1 : 2);
   if (N == 0 || m == 0) return at::empty({N, m, m}, a.options());
   if (kdim == 0) {  // a b^T = 0
-    at::Tensor out = c ? symmetrize_upper(*c).mul_(beta) : at::zeros({N, m, m}, a.options());
+    at::Tensor out = c ? symmetrize_upper(c->to(at::kFloat)).mul_(beta)
+                       : at::zeros({N, m, m}, a.options().dtype(at::kFloat));
     out.diagonal(0, -2, -1).add_(diag);
-    return out;
+    return out.to(at::kBFloat16);  // one rounding, as in the epilogue
   }
   at::Tensor out = at::empty({N, m, m}, a.options());
   const auto* pa = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());

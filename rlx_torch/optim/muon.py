@@ -1,7 +1,8 @@
 """Muon (momentum + Newton–Schulz orthogonalization) with an AdamW side, for a whole model.
 
-Matches `torch.optim.Muon` when configured alike (Keller coefficients, `adjust_lr_fn="original"`,
-`ns_dtype=torch.bfloat16`), and goes beyond it:
+A drop-in for `torch.optim.Muon`: the same positional arguments with the same meanings (our
+additions are keyword-only), and it reads torch.optim.Muon's `state_dict`. It matches
+`torch.optim.Muon` when configured alike (`ns_dtype=torch.bfloat16`), and goes beyond it:
 - same-shape matrices of a group are orthogonalized together, one batched Newton–Schulz;
 - >= 2-D params: conv weights flattened to `[out, in*kh*kw]`, 3-D `[E, m, n]` as E matrices;
 - `use_muon=False` groups are updated with AdamW by the same optimizer;
@@ -20,9 +21,11 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .newton_schulz import newton_schulz, resolve_schedule
+from .cpu_features import native_bf16
+from .newton_schulz import KELLER, newton_schulz, resolve_schedule
 
-ADJUST_LR_FNS = ("original", "match_rms_adamw", None)
+# None means "original", as in torch.optim.Muon; "identity" leaves lr unadjusted.
+ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "identity")
 ND_MODES = ("auto", "flatten", "batch")
 # Upper bound on the elements stacked into one batched Newton–Schulz: bounds the optimizer's
 # transient memory (a few copies of the batch) on very large models without costing speed
@@ -45,7 +48,7 @@ def matrix_view(shape: torch.Size, nd_mode: str) -> tuple[int, int, int]:
 
 def lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
     """Per-shape learning-rate multiplier giving rectangular updates a consistent size."""
-    if adjust_lr_fn == "original":  # Keller Jordan: sqrt(max(1, rows/cols))
+    if adjust_lr_fn is None or adjust_lr_fn == "original":  # Keller: sqrt(max(1, rows/cols))
         return math.sqrt(max(1.0, rows / cols))
     if adjust_lr_fn == "match_rms_adamw":  # Moonlight: update RMS ~ 0.2, like AdamW's
         return 0.2 * math.sqrt(max(rows, cols))
@@ -53,14 +56,23 @@ def lr_scale(adjust_lr_fn: str | None, rows: int, cols: int) -> float:
 
 
 def default_ns_dtype(device: torch.device, param_dtype: torch.dtype) -> torch.dtype:
-    """bfloat16 on CUDA (tensor cores; its rounding is well inside what NS tolerates). float32
-    elsewhere: many CPUs have no bf16 matmul units and emulate it slower than fp32; on MPS bf16
-    is emulated on M1/M2 and was measured slower than fp32 on newer chips. float64 params on
-    CPU keep float64."""
+    """The Newton–Schulz dtype used when `ns_dtype` is None.
+
+    bfloat16 on CUDA (tensor cores; its rounding is well inside what NS tolerates) and on CPUs
+    with native bf16 arithmetic (AVX512-BF16, AMX, Arm BF16: bf16 products at about twice the
+    float32 rate or more). float32 on other CPUs, where bf16 matmuls are emulated and slower
+    than float32 ones, and on MPS (bf16 emulated on M1/M2, measured slower than float32 on
+    newer chips). float64 params on CPU keep float64.
+
+    >>> default_ns_dtype(torch.device("cpu"), torch.float64)
+    torch.float64
+    """
     if device.type == "cuda":
         return torch.bfloat16
-    if device.type == "cpu" and param_dtype == torch.float64:
-        return torch.float64
+    if device.type == "cpu":
+        if param_dtype == torch.float64:
+            return torch.float64
+        return torch.bfloat16 if native_bf16() else torch.float32
     return torch.float32
 
 
@@ -86,55 +98,71 @@ def _check_nonnegative(name: str, value, tensor_ok: bool = False) -> None:
 class Muon(Optimizer):
     r"""Muon for matrix params, AdamW for the rest, in one optimizer. See docs/optim.md.
 
+    The positional arguments are torch.optim.Muon's, in its order and with its meanings;
+    the rest are keyword-only. Defaults that differ from torch's: ``lr`` (0.02, not 1e-3),
+    ``weight_decay`` (0, not 0.1); see docs/optim.md for why.
+
     Args:
         params: params or param groups. A group with ``use_muon=False`` is updated with AdamW
             (decoupled weight decay); :func:`muon_param_groups` builds the conventional split.
         lr: learning rate (default 0.02; AdamW groups normally set their own, e.g. 3e-4).
+        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (default 0).
         momentum: EMA factor of the momentum buffer (default 0.95).
         nesterov: use the Nesterov look-ahead ``lerp(g, buf, momentum)`` (default True).
-        weight_decay: decoupled weight decay, ``p *= 1 - lr * weight_decay`` (default 0).
-        ns_steps: Newton–Schulz iterations (default 5).
-        ns_coefficients: ``"keller"`` (3.4445, -4.7750, 2.0315), ``"polar_express"`` (5-step
-            schedule, normaliser safety 1.02), one ``(a, b, c)`` or a list of per-step triples;
-            a list shorter than ``ns_steps`` repeats its last triple (default "keller").
-        adjust_lr_fn: ``"original"`` sqrt(max(1, rows/cols)), ``"match_rms_adamw"``
-            0.2*sqrt(max(rows, cols)), or None for no adjustment (default "original").
-        ns_dtype: dtype of the Newton–Schulz matmuls; None picks bfloat16 on CUDA and float32
-            on CPU and MPS (float64 params on CPU: float64) (default None).
+        ns_coefficients: one ``(a, b, c)`` (default Keller's (3.4445, -4.7750, 2.0315), as
+            torch), a list of per-step triples (a list shorter than ``ns_steps`` repeats its
+            last triple), or a preset name, ``"keller"`` or ``"polar_express"`` (5-step
+            schedule, normaliser safety 1.02).
         eps: lower clamp of the Frobenius norm that normalises the NS input (default 1e-7).
-        adamw_betas: AdamW (beta1, beta2) for ``use_muon=False`` groups (default (0.9, 0.95)).
-        adamw_eps: AdamW epsilon (default 1e-8).
-        nd_mode: how > 2-D Muon params become matrices: ``"auto"`` (3-D = batch of matrices,
-            >= 4-D flattened to ``[shape[0], -1]``), ``"flatten"`` or ``"batch"`` (all leading
-            dims are batch) (default "auto"). Settable per group.
+        ns_steps: Newton–Schulz iterations (default 5).
+        adjust_lr_fn: ``None`` or ``"original"``: sqrt(max(1, rows/cols)) (Keller Jordan);
+            ``"match_rms_adamw"``: 0.2*sqrt(max(rows, cols)) (Moonlight); ``"identity"``: no
+            adjustment (default None, as torch).
+        ns_dtype: (keyword-only) dtype of the Newton–Schulz matmuls; None picks bfloat16 on
+            CUDA and on CPUs with native bf16 arithmetic, float32 on other CPUs and on MPS,
+            float64 for float64 params on CPU (default None).
+        adamw_betas: (keyword-only) AdamW (beta1, beta2) for ``use_muon=False`` groups
+            (default (0.9, 0.95)).
+        adamw_eps: (keyword-only) AdamW epsilon (default 1e-8).
+        nd_mode: (keyword-only) how > 2-D Muon params become matrices: ``"auto"`` (3-D =
+            batch of matrices, >= 4-D flattened to ``[shape[0], -1]``), ``"flatten"`` or
+            ``"batch"`` (all leading dims are batch) (default "auto"). Settable per group.
+
+    Example:
+        >>> from rlx_torch.optim import Muon, muon_param_groups
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+        >>> opt = Muon(muon_param_groups(model), 0.02, 0.01)  # lr, weight_decay as in torch
+        >>> model(torch.randn(2, 8)).sum().backward()
+        >>> opt.step()
     """
 
     def __init__(
         self,
         params,
         lr: float | Tensor = 0.02,
+        weight_decay: float = 0.0,
         momentum: float = 0.95,
         nesterov: bool = True,
-        weight_decay: float = 0.0,
-        ns_steps: int = 5,
-        ns_coefficients="keller",
-        adjust_lr_fn: str | None = "original",
-        ns_dtype: torch.dtype | None = None,
+        ns_coefficients=KELLER,
         eps: float = 1e-7,
+        ns_steps: int = 5,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_dtype: torch.dtype | None = None,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
         nd_mode: str = "auto",
     ) -> None:
         defaults = dict(
             lr=lr,
+            weight_decay=weight_decay,
             momentum=momentum,
             nesterov=nesterov,
-            weight_decay=weight_decay,
-            ns_steps=ns_steps,
             ns_coefficients=ns_coefficients,
+            eps=eps,
+            ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
-            eps=eps,
             adamw_betas=adamw_betas,
             adamw_eps=adamw_eps,
             nd_mode=nd_mode,
@@ -167,10 +195,71 @@ class Muon(Optimizer):
         if group["nd_mode"] not in ND_MODES:
             raise ValueError(f"nd_mode must be one of {ND_MODES}, got {group['nd_mode']!r}")
         betas = group["adamw_betas"]
-        if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        if not (isinstance(betas, tuple | list) and len(betas) == 2
+                and all(isinstance(b, int | float) and 0.0 <= b < 1.0 for b in betas)):
             raise ValueError(f"adamw_betas must be two numbers in [0, 1), got {betas!r}")
-        if not group["adamw_eps"] >= 0.0:
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"nesterov must be a bool, got {group['nesterov']!r}")
+        if not isinstance(group["use_muon"], bool):
+            raise ValueError(f"use_muon must be a bool, got {group['use_muon']!r}")
+        if not isinstance(group["adamw_eps"], int | float) or not group["adamw_eps"] >= 0.0:
             raise ValueError(f"adamw_eps must be >= 0, got {group['adamw_eps']!r}")
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Loads a state saved by this class or by `torch.optim.Muon` (whose groups lack our
+        keys: they are Muon groups and take ours from this optimizer's current groups).
+
+        Validates before anything changes: each saved group's hyperparameters (as the
+        constructor does), that a saved Muon group goes onto a Muon group and an AdamW one
+        onto an AdamW one, and that each param's saved state has its keys and shapes.
+        Raises ValueError naming the group and the problem.
+        """
+        saved_groups = state_dict.get("param_groups")
+        if not isinstance(saved_groups, list) or len(saved_groups) != len(self.param_groups):
+            raise ValueError(
+                f"load_state_dict: the state holds {len(saved_groups or [])} param groups, "
+                f"this optimizer has {len(self.param_groups)}"
+            )
+        groups = []
+        for i, (saved, current) in enumerate(zip(saved_groups, self.param_groups, strict=True)):
+            group = dict(saved)
+            group.setdefault("use_muon", True)  # torch.optim.Muon: every group is Muon
+            for key, value in current.items():
+                if key != "params":
+                    group.setdefault(key, value)
+            if bool(group["use_muon"]) != bool(current["use_muon"]):
+                kind = {True: "Muon", False: "AdamW (use_muon=False)"}
+                raise ValueError(
+                    f"load_state_dict: param_groups[{i}] was saved as a "
+                    f"{kind[bool(group['use_muon'])]} group but is a "
+                    f"{kind[bool(current['use_muon'])]} group here; build the optimizer with "
+                    "the same groups in the same order as the one that was saved"
+                )
+            try:
+                self._validate_hyperparameters(group)
+            except ValueError as e:
+                raise ValueError(f"load_state_dict: param_groups[{i}]: {e}") from None
+            groups.append(group)
+        self._validate_saved_state(state_dict.get("state", {}), groups)
+        super().load_state_dict({**state_dict, "param_groups": groups})
+
+    def _validate_saved_state(self, state: dict, groups: list[dict]) -> None:
+        needed = {True: ("momentum_buffer",), False: ("step", "exp_avg", "exp_avg_sq")}
+        for i, (group, current) in enumerate(zip(groups, self.param_groups, strict=True)):
+            for index, p in zip(group["params"], current["params"], strict=False):
+                entry = state.get(index)
+                if entry is None:
+                    continue
+                for key in needed[bool(group["use_muon"])]:
+                    value = entry.get(key) if isinstance(entry, dict) else None
+                    if value is None:
+                        raise ValueError(f"load_state_dict: param_groups[{i}]: the state of "
+                                         f"param {index} has no {key!r}")
+                    if key != "step" and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"load_state_dict: param_groups[{i}]: {key!r} of param {index} "
+                            f"has shape {tuple(value.shape)}, the param {tuple(p.shape)}"
+                        )
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -211,8 +300,14 @@ class Muon(Optimizer):
             yield p
 
     def _muon_step(self, group: dict) -> None:
+        for job in self._muon_jobs(group):
+            job.apply(job.orthogonalize())
+
+    def _muon_jobs(self, group: dict):
+        """The group's batches, in a fixed order (that of its params): same matrix shape, dtype
+        and device -> one batched Newton–Schulz, split at the batch size limit. Each job has
+        its momentum buffers already updated and its NS input built."""
         schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
-        # Same matrix shape, dtype and device -> one batched Newton–Schulz.
         batches: dict[tuple, list[Tensor]] = defaultdict(list)
         for p in self._params_with_grad(group):
             state = self.state[p]
@@ -223,49 +318,7 @@ class Muon(Optimizer):
         for (rows, cols, dtype, device), params in batches.items():
             limit = CPU_MAX_BATCH_ELEMENTS if device.type == "cpu" else MAX_BATCH_ELEMENTS
             for chunk in _chunks(params, limit):
-                self._muon_batch(group, schedule, chunk, rows, cols, dtype, device)
-
-    def _muon_batch(self, group, schedule, params, rows, cols, dtype, device) -> None:
-        lr = _host_scalar(group["lr"])
-        momentum, weight_decay = group["momentum"], group["weight_decay"]
-        grads = [p.grad for p in params]
-        bufs = [self.state[p]["momentum_buffer"] for p in params]
-        ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
-        scale = lr_scale(group["adjust_lr_fn"], rows, cols)
-        if _fused_cpu_step(params, grads, bufs, lr, ns_dtype):
-            # The same step with its elementwise passes fused (csrc/cpu/muon_update.cpp).
-            X = torch.ops.rlx.muon_ns_input(grads, bufs, rows, cols, momentum,
-                                            group["nesterov"], group["eps"], schedule.safety,
-                                            ns_dtype)
-            ortho = newton_schulz(X, schedule, group["eps"], ns_dtype, normalized=True)
-            torch.ops.rlx.muon_apply_(params, ortho.contiguous(), lr, weight_decay, scale)
-            return
-
-        torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
-        counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
-        stacked = _ns_input(grads, bufs, momentum, group["nesterov"], counts, rows, cols)
-        ortho = newton_schulz(stacked, schedule, group["eps"], ns_dtype)
-        del stacked
-        delta = torch.empty(ortho.shape, dtype=dtype, device=device)
-
-        def pieces():
-            return [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
-
-        if isinstance(lr, Tensor):  # device-resident lr: tensor arithmetic, no read-back
-            delta.copy_(ortho)
-            if weight_decay != 0.0:
-                torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-            delta.mul_(lr * -scale)
-            torch._foreach_add_(params, pieces())
-        elif weight_decay != 0.0 and lr != 0.0 and dtype != torch.float16:
-            # Decay and update in one pass over the params:
-            # (1 - lr*wd) p - lr*scale*O  ==  lerp(p, -(scale/wd) O, lr*wd).
-            # (Not for float16 params: -(scale/wd) O can overflow its range.)
-            torch.mul(ortho, -scale / weight_decay, out=delta)
-            torch._foreach_lerp_(params, pieces(), lr * weight_decay)
-        else:
-            delta.copy_(ortho)  # back to the param dtype and the [rows, cols] layout
-            torch._foreach_add_(params, pieces(), alpha=-lr * scale)
+                yield _MuonJob(self, group, schedule, chunk, rows, cols, dtype, device)
 
     def _adamw_step(self, group: dict) -> None:
         per_device = defaultdict(list)
@@ -307,6 +360,88 @@ class Muon(Optimizer):
                 p.add_(step_dir * (lr / -bc1))
         else:
             torch._foreach_addcdiv_(params, exp_avgs, denom, [-lr / bc1 for bc1 in bias_c1])
+
+
+class _MuonJob:
+    """One batch of same-shape matrices: building the NS input (momentum buffers updated),
+    orthogonalizing it, applying the result. `orthogonalize` depends only on `X`, so it may
+    run on another process (rlx_torch.optim.distributed)."""
+
+    def __init__(self, opt, group, schedule, params, rows, cols, dtype, device) -> None:
+        self.params, self.schedule, self.eps = params, schedule, group["eps"]
+        self.lr = _host_scalar(group["lr"])
+        self.weight_decay = group["weight_decay"]
+        momentum = group["momentum"]
+        grads = [p.grad for p in params]
+        bufs = [opt.state[p]["momentum_buffer"] for p in params]
+        self.ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
+        self.scale = lr_scale(group["adjust_lr_fn"], rows, cols)
+        self.counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
+        self.fused = _fused_cpu_step(params, grads, bufs, self.lr, self.ns_dtype)
+        if self.fused:
+            # The same step with its elementwise passes fused (csrc/cpu/muon_update.cpp).
+            self.X = torch.ops.rlx.muon_ns_input(grads, bufs, rows, cols, momentum,
+                                                 group["nesterov"], self.eps, schedule.safety,
+                                                 self.ns_dtype)
+        else:
+            torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
+            self.X = _ns_input(grads, bufs, momentum, group["nesterov"], self.counts, rows, cols)
+
+    def ortho_like(self) -> Tensor:
+        """An empty tensor of the shape and dtype `orthogonalize` returns."""
+        return torch.empty(self.X.shape, dtype=self.ns_dtype, device=self.X.device)
+
+    def orthogonalize(self) -> Tensor:
+        ortho = newton_schulz(self.X, self.schedule, self.eps, self.ns_dtype,
+                              normalized=self.fused)
+        return ortho.contiguous()
+
+    def apply(self, ortho: Tensor) -> None:
+        self.X = None  # the NS input is no longer needed
+        if self.fused:
+            torch.ops.rlx.muon_apply_(self.params, ortho, self.lr, self.weight_decay, self.scale)
+        else:
+            _apply_update(self.params, ortho, self.counts, self.lr, self.weight_decay,
+                          self.scale)
+
+
+def _apply_update(params: list[Tensor], ortho: Tensor, counts: list[int], lr, weight_decay: float,
+                  scale: float) -> None:
+    """p <- (1 - lr*wd) p - lr*scale*O for the params of a batch (O: `ortho`, split by
+    `counts`), in the params' dtype, for a float or a device-tensor lr."""
+    p0 = params[0]
+    delta = torch.empty(ortho.shape, dtype=p0.dtype, device=p0.device)
+
+    def pieces():
+        return [d.view(p.shape) for d, p in zip(delta.split(counts), params, strict=True)]
+
+    if isinstance(lr, Tensor):  # device-resident lr: tensor arithmetic, no read-back
+        delta.copy_(ortho)
+        if weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        delta.mul_(lr * -scale)
+        torch._foreach_add_(params, pieces())
+    elif weight_decay != 0.0 and lr != 0.0 and _lerp_target_fits(scale / weight_decay, p0.dtype):
+        # Decay and update in one pass over the params:
+        # (1 - lr*wd) p - lr*scale*O  ==  lerp(p, -(scale/wd) O, lr*wd).
+        torch.mul(ortho, -scale / weight_decay, out=delta)
+        torch._foreach_lerp_(params, pieces(), lr * weight_decay)
+    else:
+        if weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+        delta.copy_(ortho)  # back to the param dtype and the [rows, cols] layout
+        torch._foreach_add_(params, pieces(), alpha=-lr * scale)
+
+
+# |O| entries stay below ~1.5 (singular values of the NS result are at most ~1.2); with this
+# margin the lerp target -(scale/wd) O cannot overflow the param dtype.
+_ORTHO_BOUND = 4.0
+
+
+def _lerp_target_fits(ratio: float, dtype: torch.dtype) -> bool:
+    """Whether -(scale/wd) O is finite and normal in `dtype` (a tiny or subnormal wd makes the
+    ratio overflow: inf in the target would turn the param into inf or NaN)."""
+    return math.isfinite(ratio) and abs(ratio) * _ORTHO_BOUND <= torch.finfo(dtype).max
 
 
 @functools.cache

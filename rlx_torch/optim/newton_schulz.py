@@ -17,11 +17,13 @@ computes only their upper triangle; see docs/optim.md.
 
 from __future__ import annotations
 
-import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .cpu_features import symmetric_kernel_pays
 
 Triple = tuple[float, float, float]
 
@@ -162,22 +164,39 @@ def newton_schulz(
             raise ValueError(f"newton_schulz: a normalized G must be {dtype}, got {G.dtype}")
         X = _iterate(G, schedule, tall, _Products.for_batch(G, dtype), method)
         return X.reshape(*batch_shape, *X.shape[-2:])
-    # Normalise with the norm taken in float32 (a bf16 norm of a large matrix loses digits).
-    norm_dtype = torch.promote_types(G.dtype, torch.float32)
-    norm = torch.linalg.vector_norm(G, dim=(-2, -1), keepdim=True, dtype=norm_dtype)
-    if schedule.safety != 1.0:
-        norm = norm * schedule.safety
-    norm = norm.clamp_min_(eps)
-    if G.device.type == "cpu":
-        # The quotient, then one rounding to `dtype` (a new tensor either way): on CPU
-        # `torch.div(..., out=X)` into bf16 takes a slow path (4.0 ms against 0.5 ms for
-        # 8 x [1024, 256], one thread).
-        X = (G / norm).to(dtype)
-    else:  # one fused pass; `out=` casts to `dtype`
-        X = torch.empty(G.shape, dtype=dtype, device=G.device)
-        torch.div(G, norm, out=X)
+    X = _normalize(G, schedule.safety, eps, dtype)
     X = _iterate(X, schedule, tall, _Products.for_batch(G, dtype), method)
     return X.reshape(*batch_shape, *X.shape[-2:])
+
+
+# Matrices whose largest entry exceeds 2^40 are scaled by 2^-80 (exact: a power of two)
+# before their norm is taken, so that the float32 sum of squares cannot overflow (it would
+# from entries of about 1.8e19) and 1/norm stays a normal number; orthogonalization is
+# scale-invariant, so the result is the same as for the unscaled matrix.
+_PRESCALE_ABOVE = 2.0**40
+_PRESCALE = 2.0**-80
+
+
+def _normalize(G: torch.Tensor, safety: float, eps: float, dtype: torch.dtype) -> torch.Tensor:
+    """G / max(safety * ||G||_F, eps) per matrix, in `dtype`, in a fresh tensor; the norm in
+    float32 (or float64 for float64 G: a bf16 norm of a large matrix loses digits), safe from
+    overflow for any finite G. No host-device synchronisation."""
+    norm_dtype = torch.promote_types(G.dtype, torch.float32)
+    amax = torch.linalg.vector_norm(G, ord=math.inf, dim=(-2, -1), keepdim=True,
+                                    dtype=norm_dtype)
+    pre = torch.where(amax > _PRESCALE_ABOVE, _PRESCALE, 1.0).to(norm_dtype)
+    scaled = G * pre  # a new tensor in norm_dtype
+    norm = torch.linalg.vector_norm(scaled, dim=(-2, -1), keepdim=True)
+    if safety != 1.0:
+        norm = norm * safety
+    norm = torch.maximum(norm, pre * eps)  # the clamp at eps, on the unscaled norm
+    if G.device.type == "cpu":
+        # Divide in place, then one rounding to `dtype`: on CPU `torch.div(..., out=X)` into
+        # bf16 takes a slow path.
+        return scaled.div_(norm).to(dtype)
+    X = torch.empty(G.shape, dtype=dtype, device=G.device)  # one fused pass; `out=` casts
+    torch.div(scaled, norm, out=X)
+    return X
 
 
 class _Products:
@@ -192,7 +211,8 @@ class _Products:
 
     @staticmethod
     def for_batch(G: torch.Tensor, dtype: torch.dtype) -> _Products:
-        return _Products(G.device.type == "cpu" and dtype == torch.bfloat16 and _native_cpu())
+        return _Products(G.device.type == "cpu" and dtype == torch.bfloat16
+                         and symmetric_kernel_pays())
 
     def sym(self, a, b, c, alpha=1.0, beta=1.0, diag=0.0):
         if self.native:
@@ -207,14 +227,6 @@ class _Products:
         if self.native:
             return torch.ops.rlx.symmetric_matmul(X, X, None, 1.0, 0.0, tall)
         return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
-
-
-@functools.cache
-def _native_cpu() -> bool:
-    try:
-        return bool(torch.ops.rlx.symmetric_matmul_is_native())
-    except (AttributeError, RuntimeError):  # the compiled extension is not loaded
-        return False
 
 
 def _iterate(X, schedule, tall, products, method):

@@ -1,0 +1,131 @@
+"""Distributed Muon step time and bytes per step, at world sizes 1-4 (CPU, gloo), side by side.
+
+Contenders, each on every rank of one spawned group, stepping the same GPT-like params
+(per layer 4 x [d, d], [4d, d], [d, 4d], [4d, d]) with the same grads:
+- torch.optim.Muon on every rank (replicated: every rank orthogonalizes every matrix);
+- all-gather then redundant NS (Moonlight's scheme for sharded grads): each rank holds 1/world
+  of every gradient, all-gathers them, and runs rlx Muon on all matrices;
+- rlx DistributedMuon: each rank orthogonalizes the batches it owns, results broadcast.
+The step time is the slowest rank's (a barrier closes each step), median of the rounds; bytes
+are those each rank receives per step. Prints a table, the scaling and one JSON line.
+
+    python benchmarks/bench_muon_distributed.py --worlds 1,2,3,4 --d 128 --layers 4
+"""
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rlx_torch.optim import Muon
+from rlx_torch.optim.cpu_features import cpu_features
+from rlx_torch.optim.distributed import DistributedMuon
+
+
+def gpt_params(d: int, layers: int) -> list[torch.nn.Parameter]:
+    shapes = [(d, d)] * 4 + [(4 * d, d), (d, 4 * d), (4 * d, d)]
+    gen = torch.Generator().manual_seed(0)
+    params = []
+    for _ in range(layers):
+        for shape in shapes:
+            p = torch.nn.Parameter(torch.randn(shape, generator=gen) * 0.02)
+            p.grad = torch.randn(shape, generator=gen)
+            params.append(p)
+    return params
+
+
+class AllGatherThenMuon:
+    """Grads sharded by rows across ranks: all-gather them, then every rank runs all NS."""
+
+    def __init__(self, params, world: int, **settings):
+        self.params, self.world = params, world
+        rank = dist.get_rank()
+        self.sizes = [-(-p.numel() // world) for p in params]  # padded equal shards
+        self.shards = []
+        for p, size in zip(params, self.sizes, strict=True):
+            flat = torch.nn.functional.pad(p.grad.flatten(), (0, size * world - p.numel()))
+            self.shards.append(flat[rank * size:(rank + 1) * size].clone())
+        self.opt = Muon(params, **settings)
+        self.last_step_bytes = 0
+
+    def step(self):
+        received = 0
+        for p, shard, size in zip(self.params, self.shards, self.sizes, strict=True):
+            parts = [torch.empty(size) for _ in range(self.world)]
+            dist.all_gather(parts, shard)
+            p.grad = torch.cat(parts)[: p.numel()].view(p.shape)
+            received += (self.world - 1) * size * shard.element_size()
+        self.last_step_bytes = received
+        self.opt.step()
+
+
+def _worker(rank, world, tmp, d, layers, rounds, steps, threads, queue):
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rv_{world}", rank=rank,
+                            world_size=world)
+    settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
+    contenders = {
+        "torch.optim.Muon (every rank)": lambda ps: torch.optim.Muon(ps, **settings),
+        "all-gather + redundant NS": lambda ps: AllGatherThenMuon(ps, world, **settings),
+        "rlx DistributedMuon": lambda ps: DistributedMuon(ps, **settings),
+    }
+    opts = {name: make(gpt_params(d, layers)) for name, make in contenders.items()}
+    times = {name: [] for name in opts}
+    for opt in opts.values():  # warm-up
+        opt.step()
+    for _ in range(rounds):
+        for name, opt in opts.items():
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(steps):
+                opt.step()
+            dist.barrier()
+            times[name].append((time.perf_counter() - start) / steps)
+    if rank == 0:
+        queue.put({name: dict(ms=statistics.median(t) * 1e3,
+                              bytes=getattr(opts[name], "last_step_bytes", 0))
+                   for name, t in times.items()})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worlds", default="1,2,3,4")
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    args = parser.parse_args()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    print(f"torch {torch.__version__}, CPU: {cpu_features().summary()}, "
+          f"{os.cpu_count()} cores, {args.threads} thread(s) per rank")
+    print(f"d={args.d}, {args.layers} layers ({7 * args.layers} matrices)")
+    ctx = mp.get_context("spawn")
+    results = {}
+    for world in (int(w) for w in args.worlds.split(",")):
+        queue = ctx.SimpleQueue()
+        with tempfile.TemporaryDirectory() as tmp:
+            mp.spawn(_worker, args=(world, tmp, args.d, args.layers, args.rounds, args.steps,
+                                    args.threads, queue), nprocs=world, join=True)
+        results[world] = queue.get()
+        print(f"\nworld size {world}")
+        for name, r in results[world].items():
+            base = results[min(results)][name]["ms"]
+            print(f"  {name:<32} {r['ms']:9.2f} ms/step  {r['bytes'] / 2**20:8.2f} MiB in/rank"
+                  f"  {base / r['ms']:5.2f}x vs world {min(results)}")
+    print(json.dumps(dict(bench="muon_distributed", cpu=cpu_features().summary(),
+                          torch=torch.__version__, d=args.d, layers=args.layers,
+                          threads_per_rank=args.threads,
+                          results={str(w): r for w, r in results.items()})))
+
+
+if __name__ == "__main__":
+    main()
