@@ -1,6 +1,8 @@
 """Builds rlx_torch._C with torch.utils.cpp_extension.
 
-C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The Objective-C++
+C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The CUDA kernels
+(csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built with CUDA and
+nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
 Metal host code (csrc/mps/*.mm) is added only on macOS when this torch was built with MPS;
 the .metal kernel sources are embedded into a generated header either way (see
 tools/embed_metal.py), so the host code and the Linux emulator tests read the same text.
@@ -13,7 +15,7 @@ import sys
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -34,6 +36,12 @@ def _sources():
     if use_mps:
         srcs += sorted(glob.glob("csrc/mps/*.mm"))
     return srcs, use_mps
+
+
+def _use_cuda():
+    if os.getenv("RLX_CUDA", "1") == "0" or torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    return os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
 
 
 def _extension():
@@ -64,6 +72,16 @@ def _extension():
         # kernel of ours silently runs on one thread.
         cxx.append("-fopenmp")
         extra_link.append("-fopenmp")
+    if _use_cuda():
+        nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]
+        nvcc += ["-std=c++17", "-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter"]
+        return CUDAExtension(
+            "rlx_torch._C",
+            srcs + sorted(glob.glob("csrc/cuda/*.cu")),
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx, "nvcc": nvcc},
+            extra_link_args=extra_link,
+        )
     return CppExtension(
         "rlx_torch._C",
         srcs,
