@@ -1,7 +1,7 @@
 // CUDA kernel for rlx::codebook_matmul_backward. With gs[b, j] = grad_out[b, j] * s_j:
 //   dx[b, g*D + t] = sum_j gs[b, j] * sum_m C[m, idx[j, g, m], t]
 //   dC[m, c, t]    = sum_{(j, g): idx[j, g, m] = c} dW[j, g*D + t],   dW = gs^T x
-// Small batches: dx by a direct kernel (lanes over groups, warps over output rows, per-block
+// Small batches (up to 16 rows): dx by a direct kernel (lanes over groups, warps over output rows, per-block
 // partials summed in a fixed order); dC by a scatter kernel that computes each dW[j, g, :] on
 // the fly from x, never storing dW. Large batches: dx and dW through cuBLAS, then the same
 // scatter kernel reads dW.
@@ -292,7 +292,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   auto cb = codebook.contiguous();
   auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
   if (mask[3]) db = g2d.to(acc_type).sum(0).to(dtype);
-  const bool dense = use_dense(d);
+  const bool dense = use_dense_backward(d);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "codebook_matmul_backward", [&] {
     using acc_t = typename AccType<scalar_t>::type;
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;

@@ -53,6 +53,29 @@ __device__ __forceinline__ void stage_codebook(const scalar_t* __restrict__ cb, 
   for (int i = threadIdx.x; i < count; i += blockDim.x) dst[i] = to_acc<acc_t>(cb[i]);
 }
 
+// Eight consecutive values of a 16-byte-aligned shared-memory row as float.
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    const uint4 raw = *reinterpret_cast<const uint4*>(p);
+    const T* h = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int t = 0; t < 8; ++t) v[t] = static_cast<float>(h[t]);
+  }
+}
+
+// What the direct forward stages x and the codebook as: 16-bit inputs with D = 8 stay 16-bit
+// (one 16-byte shared-memory load per entry, exact: they are converted to float on use), the
+// rest in the accumulation type.
+template <typename scalar_t, typename acc_t, int DT>
+struct SmemType {
+  using type = std::conditional_t<DT == 8 && sizeof(scalar_t) == 2, scalar_t, acc_t>;
+};
+
 // Byte offset of the code buffer that follows `count` accumulators in shared memory.
 __host__ __device__ inline size_t codes_offset(int64_t count, size_t acc_size) {
   return (static_cast<size_t>(count) * acc_size + 15) / 16 * 16;
@@ -70,15 +93,16 @@ __global__ void __launch_bounds__(256)
                           const scalar_t* __restrict__ cb, const scalar_t* __restrict__ scales,
                           const scalar_t* __restrict__ bias, out_t* __restrict__ out, int64_t B,
                           int64_t N, int64_t G, int M, int E, int d_runtime, int chunk,
-                          bool wide_codes) {
+                          bool wide_codes, bool wide_x) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
+  using st_t = typename SmemType<scalar_t, acc_t, DT>::type;
   const int D = DT > 0 ? DT : d_runtime;
   const int64_t K = G * D;
-  acc_t* C = reinterpret_cast<acc_t*>(smem_raw);
-  acc_t* xs = C + M * E * D;                                           // [BT][chunk * D]
+  st_t* C = reinterpret_cast<st_t*>(smem_raw);
+  st_t* xs = C + M * E * D;  // [BT][chunk * D]
   // [warps][RW][chunk * M], 16-byte aligned
-  uint8_t* codes = smem_raw + codes_offset(M * E * D + BT * chunk * D, sizeof(acc_t));
-  stage_codebook(cb, M * E * D, C);
+  uint8_t* codes = smem_raw + codes_offset(M * E * D + BT * chunk * D, sizeof(st_t));
+  for (int i = threadIdx.x; i < M * E * D; i += blockDim.x) C[i] = static_cast<st_t>(cb[i]);
   const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp;
   uint8_t* my_codes = codes + warp * RW * chunk * M;
   const int64_t j0 = (static_cast<int64_t>(blockIdx.x) * (blockDim.x / kWarp) + warp) * RW;
@@ -95,10 +119,33 @@ __global__ void __launch_bounds__(256)
     const int kc = static_cast<int>(G - g0 < chunk ? G - g0 : chunk);
     __syncthreads();  // the previous chunk is consumed (and, the first time, C is staged)
     const int span = kc * D;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < BT * span; i += blockDim.x) {
-      const int b = i / span, k = i - b * span;
-      xs[b * chunk * D + k] = b < nb ? to_acc<acc_t>(x[(b0 + b) * K + g0 * D + k]) : acc_t(0);
+    if (wide_x) {  // x's rows and the chunk start are 16-byte aligned: 16-byte copies
+      constexpr int per = 16 / sizeof(scalar_t);
+      const int vecs = span / per;
+#pragma unroll
+      for (int b = 0; b < BT; ++b) {
+        const uint4* src = reinterpret_cast<const uint4*>(x + (b0 + b) * K + g0 * D);
+        st_t* dst = xs + b * chunk * D;
+        for (int v = threadIdx.x; v < vecs; v += blockDim.x) {
+          if (b < nb) {
+            const uint4 raw = __ldg(src + v);
+            const scalar_t* e = reinterpret_cast<const scalar_t*>(&raw);
+#pragma unroll
+            for (int q = 0; q < per; ++q) dst[v * per + q] = static_cast<st_t>(e[q]);
+          } else {
+#pragma unroll
+            for (int q = 0; q < per; ++q) dst[v * per + q] = st_t(0);
+          }
+        }
+      }
+    } else {
+#pragma unroll
+      for (int b = 0; b < BT; ++b) {
+        const scalar_t* src = x + (b0 + b) * K + g0 * D;
+        st_t* dst = xs + b * chunk * D;
+        for (int k = threadIdx.x; k < span; k += blockDim.x)
+          dst[k] = b < nb ? static_cast<st_t>(src[k]) : st_t(0);
+      }
     }
     const int bytes = kc * M;
     if (wide_codes) {  // rows and chunk offsets are 16-byte aligned, bytes a multiple of 16
@@ -125,23 +172,17 @@ __global__ void __launch_bounds__(256)
       if constexpr (DT == 8 && sizeof(acc_t) == 4) {
         float xv[BT][8];
 #pragma unroll
-        for (int b = 0; b < BT; ++b) {
-          const float4* p = reinterpret_cast<const float4*>(xs + b * chunk * 8 + gi * 8);
-          const float4 lo = p[0], hi = p[1];
-          xv[b][0] = lo.x, xv[b][1] = lo.y, xv[b][2] = lo.z, xv[b][3] = lo.w;
-          xv[b][4] = hi.x, xv[b][5] = hi.y, xv[b][6] = hi.z, xv[b][7] = hi.w;
-        }
+        for (int b = 0; b < BT; ++b) load8(xs + b * chunk * 8 + gi * 8, xv[b]);
 #pragma unroll
         for (int r = 0; r < RW; ++r) {
           if (j0 + r >= N) break;
           const uint8_t* code = my_codes + r * chunk * M + gi * M;
           float w[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
           for (int m = 0; m < M; ++m) {
-            const float4* e =
-                reinterpret_cast<const float4*>(C + (m * E + static_cast<int>(code[m])) * 8);
-            const float4 lo = e[0], hi = e[1];
-            w[0] += lo.x, w[1] += lo.y, w[2] += lo.z, w[3] += lo.w;
-            w[4] += hi.x, w[5] += hi.y, w[6] += hi.z, w[7] += hi.w;
+            float e[8];
+            load8(C + (m * E + static_cast<int>(code[m])) * 8, e);
+#pragma unroll
+            for (int t = 0; t < 8; ++t) w[t] += e[t];
           }
 #pragma unroll
           for (int b = 0; b < BT; ++b)
@@ -152,13 +193,14 @@ __global__ void __launch_bounds__(256)
         for (int t = 0; t < D; ++t) {
           acc_t xb[BT];
 #pragma unroll
-          for (int b = 0; b < BT; ++b) xb[b] = xs[b * chunk * D + gi * D + t];
+          for (int b = 0; b < BT; ++b) xb[b] = to_acc<acc_t>(xs[b * chunk * D + gi * D + t]);
 #pragma unroll
           for (int r = 0; r < RW; ++r) {
             if (j0 + r >= N) break;
             const uint8_t* code = my_codes + r * chunk * M + gi * M;
             acc_t w = acc_t(0);
-            for (int m = 0; m < M; ++m) w += C[(m * E + static_cast<int>(code[m])) * D + t];
+            for (int m = 0; m < M; ++m)
+              w += to_acc<acc_t>(C[(m * E + static_cast<int>(code[m])) * D + t]);
 #pragma unroll
             for (int b = 0; b < BT; ++b) acc[r][b] += w * xb[b];
           }
@@ -203,12 +245,19 @@ void launch_direct_forward(const Dims& d, const scalar_t* x, const uint8_t* idx,
   const int64_t M = d.num_codebooks, D = d.entry_dim, warps = kDirectThreads / kWarp;
   auto run = [&](auto bt_tag, auto dt_tag) {
     constexpr int BT = decltype(bt_tag)::value, DT = decltype(dt_tag)::value;
+    using st_t = typename SmemType<scalar_t, acc_t, DT>::type;
     // x's chunk takes up to 32 KiB; whole multiples of 32 groups keep the lanes in step.
-    int64_t chunk = std::max<int64_t>(32, (32 * 1024 / (BT * D * sizeof(acc_t))) / 32 * 32);
+    int64_t chunk = std::max<int64_t>(32, (32 * 1024 / (BT * D * sizeof(st_t))) / 32 * 32);
     chunk = std::min(chunk, ceil_div(d.groups, 32) * 32);
     const bool wide = (d.groups * M) % 16 == 0 && (chunk * M) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(idx) % 16 == 0;
-    const size_t smem = codes_offset(M * d.num_entries * D + BT * chunk * D, sizeof(acc_t)) +
+    // 16-byte copies of x need its rows, chunk starts and chunk lengths in whole vectors.
+    const int64_t vec_bytes = 16;
+    const bool wide_x = (d.in_features * static_cast<int64_t>(sizeof(scalar_t))) % vec_bytes == 0 &&
+                        (chunk * D * static_cast<int64_t>(sizeof(scalar_t))) % vec_bytes == 0 &&
+                        (D * static_cast<int64_t>(sizeof(scalar_t))) % vec_bytes == 0 &&
+                        reinterpret_cast<uintptr_t>(x) % 16 == 0;
+    const size_t smem = codes_offset(M * d.num_entries * D + BT * chunk * D, sizeof(st_t)) +
                         static_cast<size_t>(warps * kDirectRows * chunk * M);
     auto kernel = direct_forward_kernel<scalar_t, acc_t, out_t, BT, kDirectRows, DT>;
     if (smem > 48 * 1024) {
@@ -219,23 +268,23 @@ void launch_direct_forward(const Dims& d, const scalar_t* x, const uint8_t* idx,
                     static_cast<unsigned>(ceil_div(d.rows, BT)));
     kernel<<<grid, kDirectThreads, smem, stream>>>(
         x, idx, cb, scales, bias, out, d.rows, d.out_features, d.groups, static_cast<int>(M),
-        static_cast<int>(d.num_entries), static_cast<int>(D), static_cast<int>(chunk), wide);
+        static_cast<int>(d.num_entries), static_cast<int>(D), static_cast<int>(chunk), wide,
+        wide_x);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   using I1 = std::integral_constant<int, 1>;
   using I4 = std::integral_constant<int, 4>;
-  using I8 = std::integral_constant<int, 8>;
+  using I8 = std::integral_constant<int, 8>;  // D = 8
   using I0 = std::integral_constant<int, 0>;
   if constexpr (std::is_same_v<scalar_t, double>) {
     run(I4{}, I0{});
   } else {
     auto with_bt = [&](auto dt_tag) {
+      // Any batch runs (in tiles of 4 rows); above 4 rows the callers take the dense path.
       if (d.rows == 1) {
         run(I1{}, dt_tag);
-      } else if (d.rows <= 4) {
-        run(I4{}, dt_tag);
       } else {
-        run(I8{}, dt_tag);
+        run(I4{}, dt_tag);
       }
     };
     if (d.entry_dim == 8) {
@@ -341,7 +390,10 @@ inline void check_index_range(const at::Tensor& indices, const Dims& d) {
                     " (the number of codebook entries), found ", top);
 }
 
-// Batches above this many rows take the dense (dequantize + cuBLAS) path.
-inline bool use_dense(const Dims& d) { return d.rows > 16; }
+// Batches above this many rows take the dense (dequantize + cuBLAS) path: forward above 4 rows,
+// backward above 16 (where its scatter from x still beats dW through cuBLAS; H200 timings in
+// docs/cuda.md).
+inline bool use_dense(const Dims& d) { return d.rows > 4; }
+inline bool use_dense_backward(const Dims& d) { return d.rows > 16; }
 
 }  // namespace rlx::codebook::cuda
