@@ -1,6 +1,8 @@
 """Builds rlx_torch._C with torch.utils.cpp_extension.
 
-C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The Objective-C++
+C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The CUDA kernels
+(csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built with CUDA and
+nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
 Metal host code (csrc/mps/*.mm) is added only on macOS when this torch was built with MPS;
 the .metal kernel sources are embedded into a generated header either way (see
 tools/embed_metal.py), so the host code and the Linux emulator tests read the same text.
@@ -19,7 +21,7 @@ import sys
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -156,6 +158,12 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     return {"cxx": cxx, "link": link}
 
 
+def _use_cuda() -> bool:
+    if os.getenv("RLX_CUDA", "1") == "0" or torch.version.cuda is None or CUDA_HOME is None:
+        return False
+    return os.path.exists(os.path.join(CUDA_HOME, "bin", "nvcc"))
+
+
 def _extension():
     srcs, use_mps = source_files(ROOT, sys.platform,
                                  sys.platform == "darwin" and torch.backends.mps.is_built())
@@ -175,6 +183,17 @@ def _extension():
         import embed_metal
 
         include_dirs.append(embed_metal.generate(ROOT))
+    if _use_cuda():
+        debug = os.getenv("DEBUG", "0") == "1"
+        nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-lineinfo"]
+        nvcc += ["-std=c++17", "-Xcompiler=-Wall,-Wextra,-Wno-unused-parameter"]
+        return CUDAExtension(
+            "rlx_torch._C",
+            srcs + sorted(glob.glob("csrc/cuda/*.cu")),
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": flags["cxx"], "nvcc": nvcc},
+            extra_link_args=flags["link"],
+        )
     return CppExtension(
         "rlx_torch._C",
         srcs,

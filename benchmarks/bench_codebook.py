@@ -8,16 +8,22 @@ ratios are baseline / rlx (> 1 means rlx is faster), from medians of wall-clock 
 CPU time. Prints one JSON line at the end.
 
     python benchmarks/bench_codebook.py [--rows 1 16 256] [--threads N] [--repeat 15]
+<<<<<<< HEAD
     python benchmarks/bench_codebook.py --num-entries 65536 --rows 1 16   # 1x16 (int16 codes)
 
 E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes stored as AQLM does
 (values >= 2**15 wrapped negative), which take the gather kernels.
+=======
+    python benchmarks/bench_codebook.py --device cuda [...]   (benchmarks/bench_codebook_cuda.py)
+>>>>>>> cuda
 """
 
 import argparse
 import json
+import os
 import platform
 import statistics
+import sys
 import time
 
 import torch
@@ -61,6 +67,8 @@ def summarize(name, base, ours):
 
 
 def main():
+    if "--device" in sys.argv:
+        return main_device()
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 256])
     parser.add_argument("--features", type=int, default=4096, help="N = K")
@@ -128,6 +136,20 @@ def main():
         "results": results,
     }
     print(json.dumps(record))
+
+
+def main_device():
+    """``--device cuda``: the CUDA benchmark (its own options follow)."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", choices=["cpu", "cuda"], required=True)
+    args, rest = parser.parse_known_args()
+    sys.argv = [sys.argv[0], *rest]
+    if args.device == "cpu":
+        return main()
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_codebook_cuda
+
+    return bench_codebook_cuda.main(rest)
 
 
 if __name__ == "__main__":
