@@ -8,14 +8,11 @@ ratios are baseline / rlx (> 1 means rlx is faster), from medians of wall-clock 
 CPU time. Prints one JSON line at the end.
 
     python benchmarks/bench_codebook.py [--rows 1 16 256] [--threads N] [--repeat 15]
-<<<<<<< HEAD
     python benchmarks/bench_codebook.py --num-entries 65536 --rows 1 16   # 1x16 (int16 codes)
+    python benchmarks/bench_codebook.py --device cuda [...]   (benchmarks/bench_codebook_cuda.py)
 
 E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes stored as AQLM does
 (values >= 2**15 wrapped negative), which take the gather kernels.
-=======
-    python benchmarks/bench_codebook.py --device cuda [...]   (benchmarks/bench_codebook_cuda.py)
->>>>>>> cuda
 """
 
 import argparse
