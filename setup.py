@@ -59,6 +59,13 @@ def _extension():
         # 4-6% slower when it happened to start 16 bytes into a 64-byte line (in-process A/B
         # on the 2-core EPYC), and any edit elsewhere in the file moved it there or back.
         cxx += ["-falign-loops=32"]
+    if os.getenv("RLX_SANITIZE", "0") == "1":
+        # AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh builds this into
+        # its own directory and runs the C++-heavy tests with libasan preloaded); UB aborts.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+               "-fno-omit-frame-pointer"]
+        cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g"] + san
+        extra_link += san
     if sys.platform.startswith("linux") and "OpenMP" in torch.__config__.parallel_info():
         # at::parallel_for is header-inlined `#pragma omp parallel`: without -fopenmp every
         # kernel of ours silently runs on one thread.

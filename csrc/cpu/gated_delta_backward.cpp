@@ -309,27 +309,62 @@ inline void put_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t 
   for (; r < n; ++r) dst[r] = kAdd ? dst[r] + src[r] : src[r];
 }
 
-// Per-thread scratch kept across calls (grown when too small), in 2 MiB-aligned blocks
-// advised for transparent huge pages.
-inline void* huge_scratch(size_t bytes) {
-  struct Buf {
-    void* p = nullptr;
-    size_t n = 0;
-    ~Buf() { std::free(p); }
-  };
-  thread_local Buf buf;
-  if (buf.n < bytes) {
-    std::free(buf.p);
-    constexpr size_t kHuge = size_t(2) << 20;
-    const size_t n = (bytes + kHuge - 1) / kHuge * kHuge;
-    buf.p = std::aligned_alloc(kHuge, n);
-    TORCH_CHECK(buf.p != nullptr, "rlx::gated_delta_bwd: out of memory for ", n, " bytes");
+// Per-thread scratch in 2 MiB-aligned blocks advised for transparent huge pages. Blocks of up
+// to kKeptScratchBytes are kept across calls (grown when too small: fresh ones cost page
+// faults every call); larger ones, which only very long chunks of large states need, are
+// freed when the call ends.
+constexpr size_t kKeptScratchBytes = size_t(64) << 20;
+
+inline void* huge_block(size_t bytes, size_t* rounded) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t n = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, n);
+  TORCH_CHECK(p != nullptr, "rlx::gated_delta_bwd: out of memory for ", n, " bytes of scratch");
 #ifdef MADV_HUGEPAGE
-    madvise(buf.p, n, MADV_HUGEPAGE);
+  madvise(p, n, MADV_HUGEPAGE);
 #endif
-    buf.n = n;
+  *rounded = n;
+  return p;
+}
+
+class HugeScratch {
+ public:
+  explicit HugeScratch(size_t bytes) {
+    struct Kept {
+      void* p = nullptr;
+      size_t n = 0;
+      ~Kept() { std::free(p); }
+    };
+    thread_local Kept kept;
+    if (bytes > kKeptScratchBytes) {
+      size_t n;
+      p_ = huge_block(bytes, &n);
+      owned_ = true;
+      return;
+    }
+    if (kept.n < bytes) {
+      std::free(kept.p);
+      kept.p = nullptr, kept.n = 0;
+      kept.p = huge_block(bytes, &kept.n);
+    }
+    p_ = kept.p;
   }
-  return buf.p;
+  ~HugeScratch() {
+    if (owned_) std::free(p_);
+  }
+  HugeScratch(const HugeScratch&) = delete;
+  HugeScratch& operator=(const HugeScratch&) = delete;
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  bool owned_ = false;
+};
+
+// The longest chunk any sequence has: scratch sized for chunk_size itself would grow with it
+// even where every sequence is shorter (chunk_size = 2^24 at T = 40 asked for 42 GB).
+inline int64_t longest_chunk(const GdnProblem& p) {
+  return std::max<int64_t>(1, std::min(p.chunk, p.longest));
 }
 
 // A backward task: one sequence n and q/k head h (its value heads run in order and sum into
@@ -369,7 +404,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   // Kp-long rows kept per token of a sub-chunk (see rowbuf).
   enum : int64_t { kA, kK, kAK, kQE, kKE, kKP, kRen, kE, kDQ, kDKA, kDKB, kDG, kTokenRows };
   const int64_t Cs = std::clamp<int64_t>(
-      (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1, C);
+      (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1,
+      longest_chunk(p));
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
   // Threads take tasks in turn (a task's results do not depend on the thread that runs
@@ -383,7 +419,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // sub-chunk, last first, recomputes its states (states[i] = S before its token i) block
     // by block and runs the reverse recurrence of the block over them. With Cs = C (the
     // usual case) the first walk does nothing.
-    const int64_t nsubs = gdn_num_chunks(C, Cs);
+    const int64_t nsubs = gdn_num_chunks(longest_chunk(p), Cs);
     AccVec<acc_t> subs(nsubs * SV), vws(Cs * BV);
     // The states, rowbuf and dS, the scratch the inner loops stream, in per-thread transparent
     // huge pages (every element read is written first). dS starts on a 4 KiB boundary like
@@ -398,8 +434,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     const int64_t rows_end = (Cs + 1) * BS + (Cs + 1) * kTokenRows * Kp;
     constexpr int64_t kPage = 4096 / sizeof(acc_t);
     const int64_t dS_offset = (rows_end + kPage - 1) / kPage * kPage;
-    acc_t* const scratch =
-        static_cast<acc_t*>(huge_scratch((dS_offset + SV) * sizeof(acc_t)));
+    const HugeScratch scratch_block((dS_offset + SV) * sizeof(acc_t));
+    acc_t* const scratch = static_cast<acc_t*>(scratch_block.get());
     acc_t* const states = scratch;
     // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
     // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
@@ -726,10 +762,10 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               // D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. phi is exact at
               // each sub-chunk end (sphi), so rounding builds up over <= C tokens only.
               hsum_columns(vqdq.data(), slen, tqdq.data());
-              acc_t psi = sphi;
+              double psi = sphi;  // (a sum of terms that largely cancel: in double)
               for (int64_t i = slen - 1; i >= 0; --i) {
-                psi += tqdq[i] - tb[i] * sdv[i];
-                dg[(s0 + i) * HV + hv] = psi;
+                psi += double(tqdq[i]) - double(tb[i]) * double(sdv[i]);
+                dg[(s0 + i) * HV + hv] = acc_t(psi);
               }
             }
           }
@@ -749,11 +785,62 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
 }  // namespace rlx
 
 // The chunked backward, here because it uses the helpers above (gather_columns, put_row,
-// huge_scratch).
+// HugeScratch).
 #include "gated_delta_backward_chunked.h"
 
 namespace rlx {
 namespace {
+
+// vw of each chunk's first token against the chunk's checkpoint S (vw = v - exp(g) S^T k;
+// vw is only kept with one gate per head): a vw of another forward, e.g. of other inputs,
+// fails here instead of giving wrong gradients. One K x V pass per chunk, where the
+// chunk's backward makes several per token.
+template <typename in_t, typename acc_t>
+void check_vw_matches(const char* op, const GdnProblem& p, const Views<in_t, acc_t>& in,
+                      const acc_t* ckpt, const acc_t* vw) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
+  const int64_t C = p.chunk;
+  // Far above the forward's rounding (its state is kept scaled by factors in [2^-20, 2^20]),
+  // far below a difference in any input.
+  const acc_t tol = std::is_same_v<acc_t, double> ? acc_t(1e-9) : acc_t(1e-3);
+  std::atomic<bool> mismatch{false};
+  at::parallel_for(0, p.num_seqs * HV, 1, [&](int64_t begin, int64_t end) {
+    AccVec<acc_t> kr(K), w(V), mag(V);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / HV, hv = task % HV, h = hv / p.group();
+      int64_t bos, eos;
+      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
+      const int64_t base = gdn_checkpoint_base(n, bos, C);
+      for (int64_t c = 0; c < gdn_num_chunks(eos - bos, C); ++c) {
+        const int64_t tok = bos + c * C;
+        const acc_t* S = ckpt + ((base + c) * HV + hv) * K * V;
+        const in_t* kt = in.k + (tok * H + h) * K;
+        const acc_t r = in.l2norm ? l2norm_rstd<acc_t>(kt, K, in.l2norm_eps) : acc_t(1);
+        const acc_t a = std::exp(in.g[tok * HV + hv]);
+        std::fill(w.begin(), w.end(), acc_t(0));
+        std::fill(mag.begin(), mag.end(), acc_t(0));
+        for (int64_t i = 0; i < K; ++i) {
+          kr[i] = r * static_cast<acc_t>(kt[i]);
+          for (int64_t j = 0; j < V; ++j) {
+            w[j] += kr[i] * S[i * V + j];
+            mag[j] += std::abs(kr[i] * S[i * V + j]);
+          }
+        }
+        const in_t* vt = in.v + (tok * HV + hv) * V;
+        const acc_t* got = vw + (tok * HV + hv) * V;
+        for (int64_t j = 0; j < V; ++j) {
+          const acc_t vj = static_cast<acc_t>(vt[j]), expected = vj - a * w[j];
+          if (!std::isfinite(expected)) continue;  // non-finite inputs: nothing to compare
+          if (!(std::abs(got[j] - expected) <= tol * (1 + std::abs(vj) + a * mag[j]))) {
+            mismatch = true;
+          }
+        }
+      }
+    }
+  });
+  TORCH_CHECK(!mismatch, op, ": vw does not match the checkpoints and inputs: pass the vw that ",
+              "rlx::gated_delta_fwd returned with these checkpoints for these inputs (or None)");
+}
 
 // The chunked backward for one gate per head when every g <= 0 (decays, its domain: see
 // gated_delta_backward_chunked.h), the token-by-token one otherwise.
@@ -803,6 +890,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                 K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
   }
   // vw as the forward returned it: [B, T, HV, V] in acc, or empty (not kept: recomputed).
+  gdn_check_backward_devices(op, q_in, checkpoints, grad_o_in, grad_final_state, vw_in);
   const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;
   if (has_vw) {
     TORCH_CHECK(vw_in->sizes() == v_in.sizes() && vw_in->scalar_type() == p.acc_dtype, op,
@@ -810,6 +898,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                 " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
                 vw_in->scalar_type(), " ", vw_in->sizes());
   }
+  gdn_check_checkpoint_tag(op, checkpoints,
+                           gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
@@ -827,6 +917,9 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
+    if (has_vw && !p.gate_per_channel) {  // (the token-by-token backward does not read vw)
+      check_vw_matches(op, p, views, ckpt.data_ptr<acc_t>(), vw.data_ptr<acc_t>());
+    }
     if (use_chunked_backward<acc_t>(p, g)) {
       chunked_backward_kernel<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
                                                has_vw ? vw.data_ptr<acc_t>() : nullptr,
