@@ -13,4 +13,6 @@ if ! command -v clang++ >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
+# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects).
+bash scripts/sanitize.sh
 bash scripts/check_wheel.sh

@@ -191,8 +191,8 @@ inline void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V, 
 //   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
 //   (w = P^T k)           dP_j = d + dw_j k,  dk += dw_j P_j
 //   P = diag(a) S_{t-1}:  dg += dP * P (per channel),  dS_{t-1} = diag(a) dP
-//                         (kChannelGate; one gate per head gets dg without this FMA, from
-//                         a recursion over tokens: see backward_kernel)
+//                         (kChannelGate; backward_kernel sums it over the rows for one
+//                         gate per head)
 // In scaled terms (D = dS / e, e' = a e), every line is one FMA per element and the decay
 // multiply disappears: d/e = D + (qs/e) go_j, dP/e = d/e + (k/e) dw_j, D_{t-1} = dP/e with
 // e <- e'; dk = e (sum u_j d/e) + a (sum dw_j S_{t-1}), dg = a e (sum dP/e S_{t-1}).
@@ -444,10 +444,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // the same L1 sets (the arrays are a multiple of 4 KiB apart).
     acc_t* const rowbuf = scratch + (Cs + 1) * BS;
     acc_t* const dS = scratch + dS_offset;
-    AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs), sdv(Cs), tqdq(Cs);
+    AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs);
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
-    acc_t sphi = 0;  // <dS, S> at the end of the sub-chunk (one gate per head)
     // in.l2norm: the factors r of the q and k rows of each token (1 without l2norm), and of
     // the k row before it; the rows are scaled as they are loaded.
     AccVec<acc_t> trq(Cs), trk(Cs);
@@ -462,7 +461,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     };
     AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
     AccVec<acc_t> dqt(Kp), dkt(Kp), dgt(Kp);
-    std::vector<Vec256<acc_t>> zpart(BV), vqdq(Cs);
+    std::vector<Vec256<acc_t>> zpart(BV);
     // Row factors of tokens [t0, t0 + len) for the recompute.
     auto forward_rows = [&](int64_t t0, int64_t len, int64_t h, int64_t hv) {
       if (in.l2norm) {
@@ -633,17 +632,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               first_state(s, v0);
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
-              if (!p.gate_per_channel) {  // phi = <dS, S> after the sub-chunk, dS = diag(e) D
-                const acc_t *Se = &states[slen * BS], *ee = row(kE, slen - 1);
-                vec phi8 = {};
-                for (int64_t j = 0; j < nv; ++j) {
-                  for (int64_t rb = 0; rb < Kp; rb += L) {
-                    const int64_t x = j * ld + rb;
-                    phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
-                  }
-                }
-                sphi = first ? hsum<acc_t>(phi8) : sphi + hsum<acc_t>(phi8);
-              }
               for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
                 const int64_t tok = s0 + i;
                 if (tok - kPrefetchTokens >= s0) {
@@ -654,36 +642,30 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 const acc_t b = tb[i], qk = tqk[i];
                 const acc_t* vw = &vws[i * BV];
                 const in_t* got = grad_o + (tok * HV + hv) * V + v0;
-                const in_t* vt = in.v + (tok * HV + hv) * V + v0;
                 for (int64_t j = 0; j < nv; ++j) go[j] = static_cast<acc_t>(got[j]);
                 acc_t* dv_row = dv + (tok * HV + hv) * V + v0;
                 acc_t* zb = &z[v0];
-                vec db8 = {}, gu8 = {}, dvv8 = {};
+                vec db8 = {}, gu8 = {};
                 for (int64_t j = 0; j < nvv; j += L) {
                   const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
                   const vec du8 = load_vec(zb + j) + go8 * qk, u8 = b * vw8;
-                  vec v8;
-                  for (int64_t l = 0; l < L; ++l) v8[l] = static_cast<acc_t>(vt[j + l]);
                   store_vec(dv_row + j, b * du8);
                   db8 += du8 * vw8;
-                  dvv8 += du8 * v8;
                   gu8 += go8 * u8;
                   store_vec(&dw[j], -b * du8);
                   store_vec(&u[j], u8);
                 }
-                acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8), dvv = hsum<acc_t>(dvv8);
+                acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8);
                 for (int64_t j = nvv; j < nv; ++j) {
                   const acc_t du = zb[j] + go[j] * qk;
                   dv_row[j] = b * du;
                   db += du * vw[j];
-                  dvv += du * static_cast<acc_t>(vt[j]);
                   dw[j] = -b * du;
                   u[j] = b * vw[j];
                   gu += go[j] * u[j];
                 }
                 sdb[i] = first ? db : sdb[i] + db;
                 sgu[i] = first ? gu : sgu[i] + gu;
-                sdv[i] = first ? dvv : sdv[i] + dvv;
                 const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
                                               row(kRen, i)};
                 const acc_t* pf = state(std::max<int64_t>(i - 1, 0));  // next token's
@@ -694,12 +676,11 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                                      row(kDKA, i), row(kDKB, i), row(kDG, i), zpart.data());
                 };
                 using yes = std::true_type;
-                using no = std::false_type;
-                if (p.gate_per_channel) {
-                  trenorm[i] ? step(yes{}, yes{}) : step(no{}, yes{});
-                } else {
-                  trenorm[i] ? step(yes{}, no{}) : step(no{}, no{});
-                }
+                using no = std::false_type;  // (no renormalization)
+                // dg = <dP, P> summed in the pass for one gate per head too (the
+                // chunked backward's recursion over tokens instead, psi below, lost about a
+                // digit of a gate parameter's gradient here over 64-token sub-chunks).
+                trenorm[i] ? step(yes{}, yes{}) : step(no{}, yes{});
                 hsum_columns(zpart.data(), nv, zb);
               }
             }
@@ -711,25 +692,17 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 prefetch_bytes(dq + (tp * H + h) * K, K * sizeof(acc_t));
                 prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
               }
-              vec qdq8 = {};
               for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb), e8 = load_vec(row(kE, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
                 const vec dq8 =
                     a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
                 store_vec(&dqt[rb], in.scale * dq8);
-                // q . dq of this value head (one gate per head; for the recursion below),
-                // as qe e . dq8 with qe e = scale q: a strided re-read of q missed cache.
-                if (!p.gate_per_channel) {
-                  qdq8 += load_vec(row(kQE, i) + rb) * e8 * dq8;
-                }
                 store_vec(&dkt[rb],
                           e8 * load_vec(row(kDKA, i) + rb) + a8 * load_vec(row(kDKB, i) + rb));
-                if (p.gate_per_channel) {  // a e
-                  store_vec(&dgt[rb], load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb));
-                }
+                // a e
+                store_vec(&dgt[rb], load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb));
               }
-              vqdq[i] = qdq8;
               acc_t* __restrict dq_row = dq + (tok * H + h) * K;
               acc_t* __restrict dk_row = dk + (tok * H + h) * K;
               if (in.l2norm && last_head) {  // the group's sums, through l2norm's backward
@@ -750,23 +723,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               }
               if (p.gate_per_channel) {
                 put_row<false>(dg + (tok * HV + hv) * K, dgt.data(), K);
+              } else {  // one gate for all rows: their sum
+                double sum = 0;
+                for (int64_t r = 0; r < K; ++r) sum += dgt[r];
+                dg[tok * HV + hv] = acc_t(sum);
               }
               dbeta[tok * HV + hv] = sdb[i];
-            }
-            if (!p.gate_per_channel) {
-              // One gate per head: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1}, dS~_t its
-              // gradient) needs no pass over the state. With phi_t = <dS_t, S_t> (dS_t: the
-              // gradient from tokens after t), psi_t = dg_t satisfies
-              //   psi_t = phi_t + q_t . dq_t - b_t du_t . v_t   and   phi_{t-1} = psi_t,
-              // since S_t = (I - b k k^T) S~_t + b k v^T, dS~_t = (I - b k k^T) D_t with
-              // D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. phi is exact at
-              // each sub-chunk end (sphi), so rounding builds up over <= C tokens only.
-              hsum_columns(vqdq.data(), slen, tqdq.data());
-              double psi = sphi;  // (a sum of terms that largely cancel: in double)
-              for (int64_t i = slen - 1; i >= 0; --i) {
-                psi += double(tqdq[i]) - double(tb[i]) * double(sdv[i]);
-                dg[(s0 + i) * HV + hv] = acc_t(psi);
-              }
             }
           }
         }

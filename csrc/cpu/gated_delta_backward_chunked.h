@@ -20,8 +20,13 @@
 //          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t
 //          + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
 //   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
-// and dg by the recursion of the token-by-token backward (psi, phi: see there), restarted
-// from an exact phi (in double) at every sub-chunk's end.
+// and dg without a pass over the state per token: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1},
+// dS~_t its gradient), and with phi_t = <dS_t, S_t> (dS_t: the gradient from tokens after t),
+// psi_t = dg_t satisfies
+//   psi_t = phi_t + q_t . dq_t - b_t du_t . v_t   and   phi_{t-1} = psi_t,
+// since S_t = (I - b k k^T) S~_t + b k v^T, dS~_t = (I - b k k^T) D_t with
+// D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. The recursion restarts from an
+// exact phi (in double) at every sub-chunk's end, so rounding builds up over Cs tokens only.
 // vw comes from the forward when it kept it (gdn_keeps_vw; else solve_vw below).
 // That is 7 products of a Cs x K (or V) block with a K x V state per sub-chunk (8 when vw is
 // solved for), ~7 multiply-adds per state element and token where the token-by-token
@@ -122,7 +127,7 @@ inline acc_t dot(int64_t n, const acc_t* x, const acc_t* y) {
   return hsum<acc_t>(dot_lanes(n, x, y));
 }
 
-// sum x y in double, n a multiple of 16 (a float product is exact in double): <dS, S>, which
+// sum x y in double (a float product is exact in double): <dS, S>, which
 // dg's recursion starts from at every sub-chunk; in float its rounding, ~1e-7 of
 // sum |dS| |S|, went into every dg of the sub-chunk alike, and so into a gate parameter's
 // gradient (a sum of dg over tokens) without cancelling.
@@ -134,7 +139,8 @@ inline double dot_f64(int64_t n, const acc_t* x, const acc_t* y) {
     typedef float v4f __attribute__((vector_size(16)));
     using vd = Vec256<double>;
     vd acc[4] = {};
-    for (int64_t i = 0; i < n; i += 16) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
       for (int64_t m = 0; m < 4; ++m) {
         v4f a, b;
         std::memcpy(&a, x + i + 4 * m, sizeof(a));
@@ -143,7 +149,9 @@ inline double dot_f64(int64_t n, const acc_t* x, const acc_t* y) {
       }
     }
     const vd t = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-    return (t[0] + t[1]) + (t[2] + t[3]);
+    double tail = 0;
+    for (; i < n; ++i) tail += double(x[i]) * double(y[i]);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + tail;
   }
 }
 
@@ -537,14 +545,13 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // phi_t = <dS_t, S_t>, dg_t = psi_t = phi_t + go_t . o_t - b_t du_t . v_t and
             // phi_{t-1} = psi_t (see backward_kernel); go_t . o_t = q_t . dq_t.
             for (int64_t t = 0; t < Cs; ++t) {
-              lanes[t] = dot_lanes(Kp, qs + t * Kp, dqr + t * Kp);
-              lanes[Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vc + t * Vp);
               lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
             }
-            for (int64_t i = 0; i < 3; ++i) hsum_columns(lanes + i * Cs, Cs, sums + i * Cs);
-            double psi = phi;  // (a sum of terms that largely cancel: in double)
+            hsum_columns(lanes + 2 * Cs, Cs, sums + 2 * Cs);
+            double psi = phi;  // (a sum of terms that largely cancel: all in double)
             for (int64_t t = m - 1; t >= 0; --t) {
-              psi += double(sums[t]) - double(sb.b[t]) * double(sums[Cs + t]);
+              psi += dot_f64(Kp, qs + t * Kp, dqr + t * Kp) -
+                     double(sb.b[t]) * dot_f64(Vp, du + t * Vp, sb.vc + t * Vp);
               dg[(s0 + t) * HV + hv] = acc_t(psi);
               dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
             }
