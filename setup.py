@@ -110,7 +110,7 @@ LINUX_CLANG_OPENMP = (
 
 def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_openmp: bool,
                 use_mps: bool, debug: bool = False, avx2: bool = True,
-                clang_openmp: bool = False) -> dict[str, list[str]]:
+                clang_openmp: bool = False, sanitize: bool = False) -> dict[str, list[str]]:
     """Compile ("cxx") and link ("link") arguments for one platform.
 
     system: sys.platform ("linux", "darwin"); machine: platform.machine(); compiler: "gcc" or
@@ -137,6 +137,13 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
         # 4-6% slower when it happened to start 16 bytes into a 64-byte line (in-process A/B
         # on the 2-core EPYC), and any edit elsewhere in the file moved it there or back.
         cxx += ["-falign-loops=32"]
+    if sanitize:
+        # AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh builds this into
+        # its own directory and runs the C++-heavy tests with libasan preloaded); UB aborts.
+        san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined",
+               "-fno-omit-frame-pointer"]
+        cxx = [f for f in cxx if f != "-O3"] + ["-O1", "-g"] + san
+        link += san
     if not torch_openmp:
         return {"cxx": cxx, "link": link}
     # at::parallel_for is header-inlined `#pragma omp parallel`: without OpenMP every kernel
@@ -177,7 +184,8 @@ def _extension():
         std=os.getenv("RLX_CXX_STD") or cxx_standard(torch.__version__),
         torch_openmp=torch_openmp, use_mps=use_mps,
         debug=os.getenv("DEBUG", "0") == "1", avx2=os.getenv("RLX_AVX2", "1") == "1",
-        clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1")
+        clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1",
+        sanitize=os.getenv("RLX_SANITIZE", "0") == "1")
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     if use_mps:
         import embed_metal

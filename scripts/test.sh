@@ -17,4 +17,6 @@ fi
 # clang (Apple's compiler) with -Werror; the CPU kernels for arm64 under qemu (Linux x86-64 only)
 bash scripts/ci_clang.sh
 bash scripts/ci_arm64.sh
+# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects).
+bash scripts/sanitize.sh
 bash scripts/check_wheel.sh

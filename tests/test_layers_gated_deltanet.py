@@ -271,3 +271,24 @@ def test_torch_compile_fullgraph_with_packed_sequences():
     torch.testing.assert_close(compiled_x.grad, eager_x.grad, rtol=1e-4, atol=1e-5)
     for name, p in layer.named_parameters():
         torch.testing.assert_close(p.grad, eager_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("name", ["gva_head", "channel_conv2"])
+def test_torch_compile_dynamic_shapes_with_packed_sequences(name):
+    """fullgraph=True, dynamic=True with gradients over several packed lengths (the second
+    shape used to fail on the gated delta rule's layout arithmetic)."""
+    torch._dynamo.reset()
+    layer = make_layer(name, dtype=torch.float32)
+    compiled = torch.compile(lambda t, c: layer(t, cu_seqlens=c)[0], fullgraph=True,
+                             dynamic=True)
+    for cu in ([0, 5, 12], [0, 3, 9, 17], [0, 20], [0, 1, 8]):
+        cu = torch.tensor(cu)
+        x = torch.randn(1, int(cu[-1]), layer.hidden_size)
+        grads = []
+        for fn in (lambda t, c: layer(t, cu_seqlens=c)[0], compiled):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            fn(xi, cu).square().sum().backward()
+            grads.append([xi.grad] + [p.grad.clone() for p in layer.parameters()])
+        for a, b in zip(*grads, strict=True):
+            torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-5)

@@ -132,3 +132,22 @@ def test_quantize_mlp_swaps_linears_for_codebooks():
         assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     # the decoding path runs on the quantized model too
     assert model.generate(ids[:, :2], 3, temperature=0).shape == (2, 3)
+
+
+def test_torch_compile_dynamic_shapes_forward_and_backward():
+    """fullgraph=True, dynamic=True with gradients over several sequence lengths and batch
+    sizes (the second shape used to fail on the gated delta rule's layout arithmetic)."""
+    torch._dynamo.reset()
+    model = tiny_model(num_layers=1)
+    compiled = torch.compile(model, fullgraph=True, dynamic=True)
+    for batch, seqlen in ((2, 7), (3, 12), (1, 21), (2, 5)):
+        ids = torch.randint(0, 256, (batch, seqlen))
+        targets = torch.randint(0, 256, (batch, seqlen))
+        grads = []
+        for m in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            F.cross_entropy(m(ids).logits.flatten(0, 1), targets.flatten()).backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        for name in grads[0]:
+            torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-3, atol=1e-5,
+                                       msg=f"{name} at {(batch, seqlen)}")

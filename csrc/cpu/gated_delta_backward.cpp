@@ -200,8 +200,8 @@ inline void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V, 
 //   u = b (v - P^T k):    dv_j = b du_j, dbeta += du_j vw_j, dw_j = -b du_j
 //   (w = P^T k)           dP_j = d + dw_j k,  dk += dw_j P_j
 //   P = diag(a) S_{t-1}:  dg += dP * P (per channel),  dS_{t-1} = diag(a) dP
-//                         (kChannelGate; one gate per head gets dg without this FMA, from
-//                         a recursion over tokens: see backward_kernel)
+//                         (kChannelGate; backward_kernel sums it over the rows for one
+//                         gate per head)
 // In scaled terms (D = dS / e, e' = a e), every line is one FMA per element and the decay
 // multiply disappears: d/e = D + (qs/e) go_j, dP/e = d/e + (k/e) dw_j, D_{t-1} = dP/e with
 // e <- e'; dk = e (sum u_j d/e) + a (sum dw_j S_{t-1}), dg = a e (sum dP/e S_{t-1}).
@@ -318,27 +318,62 @@ inline void put_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t 
   for (; r < n; ++r) dst[r] = kAdd ? dst[r] + src[r] : src[r];
 }
 
-// Per-thread scratch kept across calls (grown when too small), in 2 MiB-aligned blocks
-// advised for transparent huge pages.
-inline void* huge_scratch(size_t bytes) {
-  struct Buf {
-    void* p = nullptr;
-    size_t n = 0;
-    ~Buf() { std::free(p); }
-  };
-  thread_local Buf buf;
-  if (buf.n < bytes) {
-    std::free(buf.p);
-    constexpr size_t kHuge = size_t(2) << 20;
-    const size_t n = (bytes + kHuge - 1) / kHuge * kHuge;
-    buf.p = std::aligned_alloc(kHuge, n);
-    TORCH_CHECK(buf.p != nullptr, "rlx::gated_delta_bwd: out of memory for ", n, " bytes");
+// Per-thread scratch in 2 MiB-aligned blocks advised for transparent huge pages. Blocks of up
+// to kKeptScratchBytes are kept across calls (grown when too small: fresh ones cost page
+// faults every call); larger ones, which only very long chunks of large states need, are
+// freed when the call ends.
+constexpr size_t kKeptScratchBytes = size_t(64) << 20;
+
+inline void* huge_block(size_t bytes, size_t* rounded) {
+  constexpr size_t kHuge = size_t(2) << 20;
+  const size_t n = (bytes + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, n);
+  TORCH_CHECK(p != nullptr, "rlx::gated_delta_bwd: out of memory for ", n, " bytes of scratch");
 #ifdef MADV_HUGEPAGE
-    madvise(buf.p, n, MADV_HUGEPAGE);
+  madvise(p, n, MADV_HUGEPAGE);
 #endif
-    buf.n = n;
+  *rounded = n;
+  return p;
+}
+
+class HugeScratch {
+ public:
+  explicit HugeScratch(size_t bytes) {
+    struct Kept {
+      void* p = nullptr;
+      size_t n = 0;
+      ~Kept() { std::free(p); }
+    };
+    thread_local Kept kept;
+    if (bytes > kKeptScratchBytes) {
+      size_t n;
+      p_ = huge_block(bytes, &n);
+      owned_ = true;
+      return;
+    }
+    if (kept.n < bytes) {
+      std::free(kept.p);
+      kept.p = nullptr, kept.n = 0;
+      kept.p = huge_block(bytes, &kept.n);
+    }
+    p_ = kept.p;
   }
-  return buf.p;
+  ~HugeScratch() {
+    if (owned_) std::free(p_);
+  }
+  HugeScratch(const HugeScratch&) = delete;
+  HugeScratch& operator=(const HugeScratch&) = delete;
+  void* get() const { return p_; }
+
+ private:
+  void* p_ = nullptr;
+  bool owned_ = false;
+};
+
+// The longest chunk any sequence has: scratch sized for chunk_size itself would grow with it
+// even where every sequence is shorter (chunk_size = 2^24 at T = 40 asked for 42 GB).
+inline int64_t longest_chunk(const GdnProblem& p) {
+  return std::max<int64_t>(1, std::min(p.chunk, p.longest));
 }
 
 // A backward task: one sequence n and q/k head h (its value heads run in order and sum into
@@ -378,7 +413,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
   // Kp-long rows kept per token of a sub-chunk (see rowbuf).
   enum : int64_t { kA, kK, kAK, kQE, kKE, kKP, kRen, kE, kDQ, kDKA, kDKB, kDG, kTokenRows };
   const int64_t Cs = std::clamp<int64_t>(
-      (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1, C);
+      (int64_t(8) << 20) / ((BS + kTokenRows * Kp) * int64_t(sizeof(acc_t))), 1,
+      longest_chunk(p));
   // One task per (sequence, q/k head): the value heads of its group run in order and sum
   // into the same dq/dk rows, so no two threads write the same gradient.
   // Threads take tasks in turn (a task's results do not depend on the thread that runs
@@ -392,7 +428,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // sub-chunk, last first, recomputes its states (states[i] = S before its token i) block
     // by block and runs the reverse recurrence of the block over them. With Cs = C (the
     // usual case) the first walk does nothing.
-    const int64_t nsubs = gdn_num_chunks(C, Cs);
+    const int64_t nsubs = gdn_num_chunks(longest_chunk(p), Cs);
     AccVec<acc_t> subs(nsubs * SV), vws(Cs * BV);
     // The states, rowbuf and dS, the scratch the inner loops stream, in per-thread transparent
     // huge pages (every element read is written first). dS starts on a 4 KiB boundary like
@@ -407,8 +443,8 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     const int64_t rows_end = (Cs + 1) * BS + (Cs + 1) * kTokenRows * Kp;
     constexpr int64_t kPage = 4096 / sizeof(acc_t);
     const int64_t dS_offset = (rows_end + kPage - 1) / kPage * kPage;
-    acc_t* const scratch =
-        static_cast<acc_t*>(huge_scratch((dS_offset + SV) * sizeof(acc_t)));
+    const HugeScratch scratch_block((dS_offset + SV) * sizeof(acc_t));
+    acc_t* const scratch = static_cast<acc_t*>(scratch_block.get());
     acc_t* const states = scratch;
     // Per token of a sub-chunk, shared by its blocks: the recompute's rows (decays a, key k,
     // a k; one extra zero row of a k ends the pipeline), ReverseRows' rows and e before the
@@ -417,10 +453,9 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     // the same L1 sets (the arrays are a multiple of 4 KiB apart).
     acc_t* const rowbuf = scratch + (Cs + 1) * BS;
     acc_t* const dS = scratch + dS_offset;
-    AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs), sdv(Cs), tqdq(Cs);
+    AccVec<acc_t> tqk(Cs), tb(Cs), sdb(Cs), sgu(Cs);
     auto row = [&](int64_t which, int64_t i) { return &rowbuf[(i * kTokenRows + which) * Kp]; };
     std::vector<char> trenorm(Cs);
-    acc_t sphi = 0;  // <dS, S> at the end of the sub-chunk (one gate per head)
     // in.l2norm: the factors r of the q and k rows of each token (1 without l2norm), and of
     // the k row before it; the rows are scaled as they are loaded.
     AccVec<acc_t> trq(Cs), trk(Cs);
@@ -435,7 +470,7 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
     };
     AccVec<acc_t> e(Kp), kv(Kp), qs(Kp), kprev(Kp), go(BV), u(BV), dw(BV), w(BV), z(V);
     AccVec<acc_t> dqt(Kp), dkt(Kp), dgt(Kp);
-    std::vector<Vec256<acc_t>> zpart(BV), vqdq(Cs);
+    std::vector<Vec256<acc_t>> zpart(BV);
     // Row factors of tokens [t0, t0 + len) for the recompute.
     auto forward_rows = [&](int64_t t0, int64_t len, int64_t h, int64_t hv) {
       if (in.l2norm) {
@@ -606,17 +641,6 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               first_state(s, v0);
               recompute(s0, slen, hv, v0, nv);
               acc_t* dSb = &dS[v0 * ld];
-              if (!p.gate_per_channel) {  // phi = <dS, S> after the sub-chunk, dS = diag(e) D
-                const acc_t *Se = &states[slen * BS], *ee = row(kE, slen - 1);
-                vec phi8 = {};
-                for (int64_t j = 0; j < nv; ++j) {
-                  for (int64_t rb = 0; rb < Kp; rb += L) {
-                    const int64_t x = j * ld + rb;
-                    phi8 += load_vec(ee + rb) * load_vec(dSb + x) * load_vec(Se + x);
-                  }
-                }
-                sphi = first ? hsum<acc_t>(phi8) : sphi + hsum<acc_t>(phi8);
-              }
               for (int64_t i = slen - 1; i >= 0; --i) {  // reverse recurrence
                 const int64_t tok = s0 + i;
                 if (tok - kPrefetchTokens >= s0) {
@@ -627,36 +651,30 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 const acc_t b = tb[i], qk = tqk[i];
                 const acc_t* vw = &vws[i * BV];
                 const in_t* got = grad_o + (tok * HV + hv) * V + v0;
-                const in_t* vt = in.v + (tok * HV + hv) * V + v0;
                 for (int64_t j = 0; j < nv; ++j) go[j] = static_cast<acc_t>(got[j]);
                 acc_t* dv_row = dv + (tok * HV + hv) * V + v0;
                 acc_t* zb = &z[v0];
-                vec db8 = {}, gu8 = {}, dvv8 = {};
+                vec db8 = {}, gu8 = {};
                 for (int64_t j = 0; j < nvv; j += L) {
                   const vec go8 = load_vec(&go[j]), vw8 = load_vec(vw + j);
                   const vec du8 = load_vec(zb + j) + go8 * qk, u8 = b * vw8;
-                  vec v8;
-                  for (int64_t l = 0; l < L; ++l) v8[l] = static_cast<acc_t>(vt[j + l]);
                   store_vec(dv_row + j, b * du8);
                   db8 += du8 * vw8;
-                  dvv8 += du8 * v8;
                   gu8 += go8 * u8;
                   store_vec(&dw[j], -b * du8);
                   store_vec(&u[j], u8);
                 }
-                acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8), dvv = hsum<acc_t>(dvv8);
+                acc_t db = hsum<acc_t>(db8), gu = hsum<acc_t>(gu8);
                 for (int64_t j = nvv; j < nv; ++j) {
                   const acc_t du = zb[j] + go[j] * qk;
                   dv_row[j] = b * du;
                   db += du * vw[j];
-                  dvv += du * static_cast<acc_t>(vt[j]);
                   dw[j] = -b * du;
                   u[j] = b * vw[j];
                   gu += go[j] * u[j];
                 }
                 sdb[i] = first ? db : sdb[i] + db;
                 sgu[i] = first ? gu : sgu[i] + gu;
-                sdv[i] = first ? dvv : sdv[i] + dvv;
                 const ReverseRows<acc_t> rows{row(kQE, i), row(kKE, i), row(kKP, i),
                                               row(kRen, i)};
                 const acc_t* pf = state(std::max<int64_t>(i - 1, 0));  // next token's
@@ -667,12 +685,11 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                                      row(kDKA, i), row(kDKB, i), row(kDG, i), zpart.data());
                 };
                 using yes = std::true_type;
-                using no = std::false_type;
-                if (p.gate_per_channel) {
-                  trenorm[i] ? step(yes{}, yes{}) : step(no{}, yes{});
-                } else {
-                  trenorm[i] ? step(yes{}, no{}) : step(no{}, no{});
-                }
+                using no = std::false_type;  // (no renormalization)
+                // dg = <dP, P> summed in the pass for one gate per head too (the
+                // chunked backward's recursion over tokens instead, psi below, lost about a
+                // digit of a gate parameter's gradient here over 64-token sub-chunks).
+                trenorm[i] ? step(yes{}, yes{}) : step(no{}, yes{});
                 hsum_columns(zpart.data(), nv, zb);
               }
             }
@@ -684,25 +701,17 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
                 prefetch_bytes(dq + (tp * H + h) * K, K * sizeof(acc_t));
                 prefetch_bytes(dk + (tp * H + h) * K, K * sizeof(acc_t));
               }
-              vec qdq8 = {};
               for (int64_t rb = 0; rb < Kp; rb += L) {
                 const vec a8 = load_vec(row(kA, i) + rb), e8 = load_vec(row(kE, i) + rb);
                 // dq = S_t go = diag(a) S_{t-1} go + k (u . go)
                 const vec dq8 =
                     a8 * load_vec(row(kDQ, i) + rb) + load_vec(row(kK, i) + rb) * sgu[i];
                 store_vec(&dqt[rb], in.scale * dq8);
-                // q . dq of this value head (one gate per head; for the recursion below),
-                // as qe e . dq8 with qe e = scale q: a strided re-read of q missed cache.
-                if (!p.gate_per_channel) {
-                  qdq8 += load_vec(row(kQE, i) + rb) * e8 * dq8;
-                }
                 store_vec(&dkt[rb],
                           e8 * load_vec(row(kDKA, i) + rb) + a8 * load_vec(row(kDKB, i) + rb));
-                if (p.gate_per_channel) {  // a e
-                  store_vec(&dgt[rb], load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb));
-                }
+                // a e
+                store_vec(&dgt[rb], load_vec(row(kDG, i) + rb) * load_vec(row(kRen, i) + rb));
               }
-              vqdq[i] = qdq8;
               acc_t* __restrict dq_row = dq + (tok * H + h) * K;
               acc_t* __restrict dk_row = dk + (tok * H + h) * K;
               if (in.l2norm && last_head) {  // the group's sums, through l2norm's backward
@@ -723,23 +732,12 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
               }
               if (p.gate_per_channel) {
                 put_row<false>(dg + (tok * HV + hv) * K, dgt.data(), K);
+              } else {  // one gate for all rows: their sum
+                double sum = 0;
+                for (int64_t r = 0; r < K; ++r) sum += dgt[r];
+                dg[tok * HV + hv] = acc_t(sum);
               }
               dbeta[tok * HV + hv] = sdb[i];
-            }
-            if (!p.gate_per_channel) {
-              // One gate per head: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1}, dS~_t its
-              // gradient) needs no pass over the state. With phi_t = <dS_t, S_t> (dS_t: the
-              // gradient from tokens after t), psi_t = dg_t satisfies
-              //   psi_t = phi_t + q_t . dq_t - b_t du_t . v_t   and   phi_{t-1} = psi_t,
-              // since S_t = (I - b k k^T) S~_t + b k v^T, dS~_t = (I - b k k^T) D_t with
-              // D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. phi is exact at
-              // each sub-chunk end (sphi), so rounding builds up over <= C tokens only.
-              hsum_columns(vqdq.data(), slen, tqdq.data());
-              acc_t psi = sphi;
-              for (int64_t i = slen - 1; i >= 0; --i) {
-                psi += tqdq[i] - tb[i] * sdv[i];
-                dg[(s0 + i) * HV + hv] = psi;
-              }
             }
           }
         }
@@ -758,11 +756,62 @@ void backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const ac
 }  // namespace rlx
 
 // The chunked backward, here because it uses the helpers above (gather_columns, put_row,
-// huge_scratch).
+// HugeScratch).
 #include "gated_delta_backward_chunked.h"
 
 namespace rlx {
 namespace {
+
+// vw of each chunk's first token against the chunk's checkpoint S (vw = v - exp(g) S^T k;
+// vw is only kept with one gate per head): a vw of another forward, e.g. of other inputs,
+// fails here instead of giving wrong gradients. One K x V pass per chunk, where the
+// chunk's backward makes several per token.
+template <typename in_t, typename acc_t>
+void check_vw_matches(const char* op, const GdnProblem& p, const Views<in_t, acc_t>& in,
+                      const acc_t* ckpt, const acc_t* vw) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
+  const int64_t C = p.chunk;
+  // Far above the forward's rounding (its state is kept scaled by factors in [2^-20, 2^20]),
+  // far below a difference in any input.
+  const acc_t tol = std::is_same_v<acc_t, double> ? acc_t(1e-9) : acc_t(1e-3);
+  std::atomic<bool> mismatch{false};
+  at::parallel_for(0, p.num_seqs * HV, 1, [&](int64_t begin, int64_t end) {
+    AccVec<acc_t> kr(K), w(V), mag(V);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t n = task / HV, hv = task % HV, h = hv / p.group();
+      int64_t bos, eos;
+      gdn_sequence_bounds(p, in.cu, n, &bos, &eos);
+      const int64_t base = gdn_checkpoint_base(n, bos, C);
+      for (int64_t c = 0; c < gdn_num_chunks(eos - bos, C); ++c) {
+        const int64_t tok = bos + c * C;
+        const acc_t* S = ckpt + ((base + c) * HV + hv) * K * V;
+        const in_t* kt = in.k + (tok * H + h) * K;
+        const acc_t r = in.l2norm ? l2norm_rstd<acc_t>(kt, K, in.l2norm_eps) : acc_t(1);
+        const acc_t a = std::exp(in.g[tok * HV + hv]);
+        std::fill(w.begin(), w.end(), acc_t(0));
+        std::fill(mag.begin(), mag.end(), acc_t(0));
+        for (int64_t i = 0; i < K; ++i) {
+          kr[i] = r * static_cast<acc_t>(kt[i]);
+          for (int64_t j = 0; j < V; ++j) {
+            w[j] += kr[i] * S[i * V + j];
+            mag[j] += std::abs(kr[i] * S[i * V + j]);
+          }
+        }
+        const in_t* vt = in.v + (tok * HV + hv) * V;
+        const acc_t* got = vw + (tok * HV + hv) * V;
+        for (int64_t j = 0; j < V; ++j) {
+          const acc_t vj = static_cast<acc_t>(vt[j]), expected = vj - a * w[j];
+          if (!std::isfinite(expected)) continue;  // non-finite inputs: nothing to compare
+          if (!(std::abs(got[j] - expected) <= tol * (1 + std::abs(vj) + a * mag[j]))) {
+            mismatch = true;
+          }
+        }
+      }
+    }
+  });
+  TORCH_CHECK(!mismatch, op, ": vw does not match the checkpoints and inputs: pass the vw that ",
+              "rlx::gated_delta_fwd returned with these checkpoints for these inputs (or None)");
+}
 
 // The chunked backward for one gate per head when every g <= 0 (decays, its domain: see
 // gated_delta_backward_chunked.h), the token-by-token one otherwise.
@@ -812,6 +861,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                 K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
   }
   // vw as the forward returned it: [B, T, HV, V] in acc, or empty (not kept: recomputed).
+  gdn_check_backward_devices(op, q_in, checkpoints, grad_o_in, grad_final_state, vw_in);
   const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;
   if (has_vw) {
     TORCH_CHECK(vw_in->sizes() == v_in.sizes() && vw_in->scalar_type() == p.acc_dtype, op,
@@ -819,6 +869,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                 " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
                 vw_in->scalar_type(), " ", vw_in->sizes());
   }
+  gdn_check_checkpoint_tag(op, checkpoints,
+                           gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
@@ -836,6 +888,9 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
     using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
     const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
+    if (has_vw && !p.gate_per_channel) {  // (the token-by-token backward does not read vw)
+      check_vw_matches(op, p, views, ckpt.data_ptr<acc_t>(), vw.data_ptr<acc_t>());
+    }
     if (use_chunked_backward<acc_t>(p, g)) {
       chunked_backward_kernel<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
                                                has_vw ? vw.data_ptr<acc_t>() : nullptr,

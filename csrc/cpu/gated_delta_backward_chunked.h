@@ -20,7 +20,13 @@
 //          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t
 //          + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
 //   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
-// and dg by the recursion of the token-by-token backward (psi, phi: see there).
+// and dg without a pass over the state per token: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1},
+// dS~_t its gradient), and with phi_t = <dS_t, S_t> (dS_t: the gradient from tokens after t),
+// psi_t = dg_t satisfies
+//   psi_t = phi_t + q_t . dq_t - b_t du_t . v_t   and   phi_{t-1} = psi_t,
+// since S_t = (I - b k k^T) S~_t + b k v^T, dS~_t = (I - b k k^T) D_t with
+// D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. The recursion restarts from an
+// exact phi (in double) at every sub-chunk's end, so rounding builds up over Cs tokens only.
 // vw comes from the forward when it kept it (gdn_keeps_vw; else solve_vw below).
 // That is 7 products of a Cs x K (or V) block with a K x V state per sub-chunk (8 when vw is
 // solved for), ~7 multiply-adds per state element and token where the token-by-token
@@ -119,6 +125,34 @@ inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_
 template <typename acc_t>
 inline acc_t dot(int64_t n, const acc_t* x, const acc_t* y) {
   return hsum<acc_t>(dot_lanes(n, x, y));
+}
+
+// sum x y in double (a float product is exact in double): <dS, S>, which
+// dg's recursion starts from at every sub-chunk; in float its rounding, ~1e-7 of
+// sum |dS| |S|, went into every dg of the sub-chunk alike, and so into a gate parameter's
+// gradient (a sum of dg over tokens) without cancelling.
+template <typename acc_t>
+inline double dot_f64(int64_t n, const acc_t* x, const acc_t* y) {
+  if constexpr (std::is_same_v<acc_t, double>) {
+    return dot(n, x, y);
+  } else {
+    typedef float v4f __attribute__((vector_size(16)));
+    using vd = Vec256<double>;
+    vd acc[4] = {};
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+      for (int64_t m = 0; m < 4; ++m) {
+        v4f a, b;
+        std::memcpy(&a, x + i + 4 * m, sizeof(a));
+        std::memcpy(&b, y + i + 4 * m, sizeof(b));
+        acc[m] += __builtin_convertvector(a, vd) * __builtin_convertvector(b, vd);
+      }
+    }
+    const vd t = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    double tail = 0;
+    for (; i < n; ++i) tail += double(x[i]) * double(y[i]);
+    return ((t[0] + t[1]) + (t[2] + t[3])) + tail;
+  }
 }
 
 // Loads n rows (tok0.., head) of a [tokens, heads, dim] input into a zero-padded [Cs, ld]
@@ -236,7 +270,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
   acc_t *dq = buf + lay.dq.offset, *dk = buf + lay.dk.offset, *dv = buf + lay.dv.offset;
   acc_t *dg = buf + lay.dg.offset, *dbeta = buf + lay.dbeta.offset;
   acc_t* dstate = p.has_initial_state ? buf + lay.dstate.offset : nullptr;
-  const int64_t nsubs = gdn_num_chunks(C, Cs);
+  const int64_t nsubs = gdn_num_chunks(longest_chunk(p), Cs);
   const acc_t* const no_scale = nullptr;   // gemm's rs: rows not scaled
   const acc_t* const no_addend = nullptr;  // gemm's X: C = the product
   const int64_t tasks = p.num_seqs * H;
@@ -249,14 +283,15 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       int64_t n;
       acc_t *kc, *kct, *vc, *u, *vw, *A, *E, *ET, *gam, *b, *rk;
     };
-    // All scratch in one per-thread block kept across calls (huge_scratch): fresh vectors
+    // All scratch in one per-thread block kept across calls (HugeScratch): fresh vectors
     // here cost ~150 page faults a call. Every value is written before it is read.
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
     const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 2 * SP + 2 * Cs * Kp +
                                  3 * Cs * Vp + Vp * Cs + 2 * Kp * Cs + 4 * CC +
                                  2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + Cs * Vp + CC +
                                  5 * Cs;
-    acc_t* free = static_cast<acc_t*>(huge_scratch(scratch_size * sizeof(acc_t)));
+    const HugeScratch scratch_block(scratch_size * sizeof(acc_t));
+    acc_t* free = static_cast<acc_t*>(scratch_block.get());
     auto take = [&](int64_t n) { acc_t* r = free; free += n; return r; };
     std::vector<Sub> subs(nsubs);
     for (Sub& sb : subs) {
@@ -300,7 +335,6 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     RowQueue ahead;  // input rows of the next walk, fetched by pump() between products
     RowDrain<acc_t> drain;
     int64_t step = 0;  // backward steps so far: picks the set of gradient rows
-    acc_t psi_next = 0;
     auto pump = [&] {
       ahead.fetch(kPumpLines);
       drain.drain(kDrainRows);
@@ -424,10 +458,12 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             acc_t* const dkr = dqr + Cs * Kp;
             acc_t* const dvr = dkr + Cs * Kp;
             const acc_t *S0 = state[s], *S1 = state[s + 1];
-            // phi = <dSn, S_{n-1}> for dg's recursion
-            // (exact at a chunk's end; within the chunk the recursion's value at the first
-            // token of the sub-chunk after, so rounding builds up over <= C tokens only)
-            const acc_t phi = s + 1 == ns ? dot(SP, dS, S1) : psi_next;
+            // phi = <dSn, S_{n-1}> for dg's recursion, at every sub-chunk's end: rounding then
+            // builds up over Cs tokens only, not over the chunk (the recursion's value carried
+            // from the sub-chunk after made the gate parameters' gradients several times less
+            // accurate than a plain float32 autograd of the recurrence). One K x V dot per Cs
+            // tokens, against the products' ~7 Cs.
+            const double phi = dot_f64(SP, dS, S1);
             pump();
             rstd_rows(in.q, s0, m, h, rq);
             // q rows unscaled: scale goes into the products that use them (so the q . dq of
@@ -509,18 +545,16 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // phi_t = <dS_t, S_t>, dg_t = psi_t = phi_t + go_t . o_t - b_t du_t . v_t and
             // phi_{t-1} = psi_t (see backward_kernel); go_t . o_t = q_t . dq_t.
             for (int64_t t = 0; t < Cs; ++t) {
-              lanes[t] = dot_lanes(Kp, qs + t * Kp, dqr + t * Kp);
-              lanes[Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vc + t * Vp);
               lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
             }
-            for (int64_t i = 0; i < 3; ++i) hsum_columns(lanes + i * Cs, Cs, sums + i * Cs);
-            acc_t psi = phi;
+            hsum_columns(lanes + 2 * Cs, Cs, sums + 2 * Cs);
+            double psi = phi;  // (a sum of terms that largely cancel: all in double)
             for (int64_t t = m - 1; t >= 0; --t) {
-              psi += sums[t] - sb.b[t] * sums[Cs + t];
-              dg[(s0 + t) * HV + hv] = psi;
+              psi += dot_f64(Kp, qs + t * Kp, dqr + t * Kp) -
+                     double(sb.b[t]) * dot_f64(Vp, du + t * Vp, sb.vc + t * Vp);
+              dg[(s0 + t) * HV + hv] = acc_t(psi);
               dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
             }
-            psi_next = psi;
             drain.flush();  // the rows of the step before (the other set)
             for (int64_t t = 0; t < m; ++t) {
               acc_t* dv_row = dv + ((s0 + t) * HV + hv) * V;

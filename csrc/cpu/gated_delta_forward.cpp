@@ -423,6 +423,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
                                     ckpt.data_ptr<acc_t>(),
                                     vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
   });
+  gdn_write_checkpoint_tag(ckpt, gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   return {o, ht, ckpt, vw};
 }
 

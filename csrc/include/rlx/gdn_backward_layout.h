@@ -19,8 +19,10 @@
 //    n + bos_n / C never overlaps the previous sequence's slots (because
 //    floor(a + b) >= floor(a) + floor(b) and ceil(x) <= floor(x) + 1), and the slot count
 //    depends only on N and the token count, so it is known without reading cu_seqlens.
-//    Slots no sequence uses are zero. chunk_size = 0 keeps no checkpoints (0 slots): for
-//    forward passes that no backward will follow.
+//    Slots no sequence uses are zero, except the first 4 bytes of the last slot, which no
+//    sequence ever uses (its last slot is at most N - 2 + ceil(total / C)): the CPU forward
+//    tags it there (gdn_checkpoint_tag, gdn_checks.h). chunk_size = 0 keeps no checkpoints
+//    (0 slots): for forward passes that no backward will follow.
 #pragma once
 
 #include <cstdint>

@@ -4,6 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 
@@ -15,6 +18,7 @@ struct GdnProblem {
   int64_t batch = 0, seq_len = 0, num_qk_heads = 0, num_v_heads = 0;
   int64_t head_k_dim = 0, head_v_dim = 0;
   int64_t num_seqs = 0;  // N: B, or len(cu_seqlens) - 1
+  int64_t longest = 0;   // tokens of the longest sequence (bounds per-sequence scratch)
   int64_t chunk = kGdnDefaultChunk;
   bool gate_per_channel = false, varlen = false, has_initial_state = false;
   at::ScalarType input_dtype = at::kFloat;  // q, k, v, o
@@ -84,9 +88,11 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
               ": g and beta must be ", p.acc_dtype, " (the accumulation dtype for ",
               p.input_dtype, " inputs), got g ", g.scalar_type(), ", beta ",
               beta.scalar_type());
-  for (const at::Tensor* t : {&k, &v, &g, &beta}) {
-    TORCH_CHECK(t->device() == q.device(), op, ": all inputs must be on q's device ",
-                q.device(), ", got one on ", t->device());
+  const char* names[] = {"k", "v", "g", "beta"};
+  const at::Tensor* tensors[] = {&k, &v, &g, &beta};
+  for (int i = 0; i < 4; ++i) {
+    TORCH_CHECK(tensors[i]->device() == q.device(), op, ": all inputs must be on q's device ",
+                q.device(), ", got ", names[i], " on ", tensors[i]->device());
   }
   TORCH_CHECK(chunk_size >= 0, op, ": chunk_size must be >= 0 (0 keeps no checkpoints), got ",
               chunk_size);
@@ -101,6 +107,11 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
                 cu.scalar_type(), " ", cu.sizes());
     TORCH_CHECK(p.batch == 1, op, ": cu_seqlens packs sequences along T, so B must be 1, got B = ",
                 p.batch);
+    // (on the CPU too: it is read on the host; a tensor on any other device would make
+    // that device's kernel run for all inputs)
+    TORCH_CHECK(cu.device() == q.device() || cu.device().is_cpu(), op,
+                ": all inputs must be on q's device ", q.device(), ", got cu_seqlens on ",
+                cu.device());
     const at::Tensor host = cu.to(at::kCPU).contiguous();
     const int64_t* c = host.data_ptr<int64_t>();
     const int64_t n = host.numel();
@@ -108,10 +119,13 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
     for (int64_t i = 1; i < n; ++i) {
       TORCH_CHECK(c[i] >= c[i - 1], op, ": cu_seqlens must be non-decreasing, got ", c[i - 1],
                   " then ", c[i], " at index ", i);
+      p.longest = std::max(p.longest, c[i] - c[i - 1]);
     }
     TORCH_CHECK(c[n - 1] == p.seq_len, op, ": cu_seqlens must end at T = ", p.seq_len, ", got ",
                 c[n - 1]);
     p.num_seqs = n - 1;
+  } else {
+    p.longest = p.batch > 0 ? p.seq_len : 0;
   }
   if (initial_state.has_value()) {
     const at::Tensor& h0 = *initial_state;
@@ -122,10 +136,68 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
                 ", ", p.head_k_dim, ", ", p.head_v_dim, "], got ", h0.sizes());
     TORCH_CHECK(h0.scalar_type() == p.acc_dtype, op, ": initial_state must be ", p.acc_dtype,
                 ", got ", h0.scalar_type());
-    TORCH_CHECK(h0.device() == q.device(), op, ": initial_state must be on q's device ",
-                q.device(), ", got ", h0.device());
+    TORCH_CHECK(h0.device() == q.device(), op, ": all inputs must be on q's device ",
+                q.device(), ", got initial_state on ", h0.device());
   }
   return p;
+}
+
+// The backward's own tensors on q's device (a tensor on another device would make that
+// device's kernel run for all inputs: meta's, for instance, returns uninitialized memory).
+inline void gdn_check_backward_devices(const char* op, const at::Tensor& q,
+                                       const at::Tensor& checkpoints, const at::Tensor& grad_o,
+                                       const std::optional<at::Tensor>& grad_final_state,
+                                       const std::optional<at::Tensor>& vw) {
+  auto check = [&](const char* name, const at::Tensor& t) {
+    TORCH_CHECK(t.device() == q.device(), op, ": all inputs must be on q's device ", q.device(),
+                ", got ", name, " on ", t.device());
+  };
+  check("checkpoints", checkpoints);
+  check("grad_o", grad_o);
+  if (grad_final_state.has_value()) check("grad_final_state", *grad_final_state);
+  if (vw.has_value()) check("vw", *vw);
+}
+
+// The checkpoints' tag: what the backward must be given as the forward was (chunk_size sets
+// where each chunk's checkpoint lies; l2norm_eps, what the states were made of; whether vw was
+// kept), hashed into 32 bits (FNV-1a) and stored in the first 4 bytes of the last checkpoint
+// slot, which no sequence ever uses (gdn_backward_layout.h). A backward given checkpoints of
+// another forward (e.g. chunk_size 64 vs 65 at T = 128: the same slot count) then fails
+// instead of returning wrong gradients.
+inline uint32_t gdn_checkpoint_tag(int64_t chunk, std::optional<double> l2norm_eps,
+                                   bool keeps_vw) {
+  uint32_t h = 2166136261u;
+  auto mix = [&h](uint64_t x) {
+    for (int i = 0; i < 8; ++i, x >>= 8) h = (h ^ uint32_t(x & 0xff)) * 16777619u;
+  };
+  uint64_t eps_bits = 0;
+  if (l2norm_eps.has_value()) std::memcpy(&eps_bits, &*l2norm_eps, sizeof(eps_bits));
+  mix(0x31304e4447ull);  // "GDN01"
+  mix(uint64_t(chunk));
+  mix(l2norm_eps.has_value() ? 1 : 0);
+  mix(eps_bits);
+  mix(keeps_vw ? 1 : 0);
+  return h;
+}
+
+// Writes the tag into host-accessible (CPU) checkpoints; no-op without slots.
+inline void gdn_write_checkpoint_tag(at::Tensor& checkpoints, uint32_t tag) {
+  if (checkpoints.numel() == 0) return;
+  char* last = static_cast<char*>(checkpoints.data_ptr()) +
+               (checkpoints.numel() / checkpoints.size(0)) * (checkpoints.size(0) - 1) *
+                   checkpoints.element_size();
+  std::memcpy(last, &tag, sizeof(tag));
+}
+
+inline void gdn_check_checkpoint_tag(const char* op, const at::Tensor& checkpoints,
+                                     uint32_t tag) {
+  if (checkpoints.numel() == 0) return;
+  const at::Tensor last = checkpoints[checkpoints.size(0) - 1].contiguous();
+  uint32_t got = 0;
+  std::memcpy(&got, last.data_ptr(), sizeof(got));
+  TORCH_CHECK(got == tag, op, ": checkpoints do not come from rlx::gated_delta_fwd with this ",
+              "chunk_size, l2norm_eps and vw (their tag differs): pass the backward the ",
+              "forward's own chunk_size, l2norm_eps and outputs (checkpoints, vw)");
 }
 
 // Sequence boundaries [bos, eos) in packed token indices (b * T + t).
