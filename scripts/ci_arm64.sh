@@ -97,7 +97,7 @@ fi
 TREE="$WORK/tree"
 rm -rf "$TREE"
 mkdir -p "$TREE"
-cp -R rlx_torch tests pyproject.toml "$TREE/"
+cp -R rlx_torch tests examples pyproject.toml "$TREE/"  # (a test runs an example)
 find "$TREE" \( -name '__pycache__' -o -name '*.so' -o -name '_build_info.py' \) -prune \
   -exec rm -rf {} +
 printf 'TORCH_VERSION = "%s"\n' "$ARM_TORCH+cpu" > "$TREE/rlx_torch/_build_info.py"
