@@ -11,12 +11,10 @@ value is past the dtype's range must be an infinity of the right sign."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import rlx_torch
-
-hypothesis = pytest.importorskip("hypothesis")  # in requirements of the test environment
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
 
 FLOATS = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 EPS = {torch.float64: 2.0**-52, torch.float32: 2.0**-23, torch.float16: 2.0**-10,

@@ -10,7 +10,7 @@ import torch
 
 import rlx_torch  # noqa: F401
 from rlx_torch.ops.codebook import codebook_matmul
-from tests.test_metal_codebook_emulator import CASES, make_inputs
+from tests.test_metal_codebook_emulator import CASES, CASES16, make_inputs, make_inputs16
 
 pytestmark = pytest.mark.skipif(
     not torch.backends.mps.is_available() or os.environ.get("RLX_SKIP_MPS") == "1",
@@ -117,3 +117,21 @@ def test_empty_batch_and_errors():
         torch.ops.rlx.codebook_matmul(*mps(xi.int(), ii, ci.int()), None, None)
     with pytest.raises(ValueError, match="indices must be on x's device"):
         torch.ops.rlx.codebook_matmul(x, indices.cpu(), codebook, None, None)
+
+
+@pytest.mark.parametrize("case", CASES16, ids=_ids)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_16bit_forward_and_backward_match_cpu(case, dtype):
+    b, n, groups, d, m, e = case
+    x, indices, codebook, scales, bias = make_inputs16(b, n, groups, d, m, e, dtype, seed=b + n)
+    want = torch.ops.rlx.codebook_matmul(x, indices, codebook, scales, bias)
+    got = torch.ops.rlx.codebook_matmul(*mps(x, indices, codebook, scales, bias))
+    assert_close(got, want, TOL[dtype], "out")
+    grad_out = torch.randn(b, n).to(dtype)
+    want = torch.ops.rlx.codebook_matmul_backward(grad_out, x, indices, codebook, scales,
+                                                  [True] * 4)
+    got = torch.ops.rlx.codebook_matmul_backward(*mps(grad_out, x, indices, codebook, scales),
+                                                 [True] * 4)
+    for name, g, w in zip(["grad_x", "grad_codebook", "grad_scales", "grad_bias"], got, want,
+                          strict=True):
+        assert_close(g, w, TOL[dtype], name)
