@@ -24,6 +24,7 @@
 #include <atomic>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <cstring>
 #include <vector>
 
@@ -81,7 +82,7 @@ void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, cons
         for (int q = 0; q < JT; ++q) {
           // Rows past j1 repeat the last row (always in bounds) and are not written.
           const int64_t e = rows[q][g * M + m];
-          if (e >= E) [[unlikely]] {
+          if (e >= E) {
             bad.report(e);
             continue;
           }
@@ -137,7 +138,9 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
   if (B == 0 || N == 0) return;
   // Batch tiles of BT rows (zero padded), then output-row blocks in parallel.
-  const auto run = [&]<int DD, int BT, int JT>() {
+  // Tile sizes come in as std::integral_constant (C++17: no template lambdas).
+  const auto run = [&](auto dd, auto bt, auto jt) {
+    constexpr int DD = decltype(dd)::value, BT = decltype(bt)::value, JT = decltype(jt)::value;
     std::vector<acc_t> pad;
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = std::min<int64_t>(BT, B - b0);
@@ -159,23 +162,24 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
       if (nb < BT) std::copy_n(tile.data(), nb * N, raw + b0 * N);
     }
   };
-  const auto by_batch = [&]<int DD>() {
+  using std::integral_constant;
+  const auto by_batch = [&](auto dd) {
     if (B == 1) {
-      run.template operator()<DD, 1, 8>();
+      run(dd, integral_constant<int, 1>{}, integral_constant<int, 8>{});
     } else if (B == 2) {
-      run.template operator()<DD, 2, 4>();
+      run(dd, integral_constant<int, 2>{}, integral_constant<int, 4>{});
     } else if (B <= 4) {
-      run.template operator()<DD, 4, 2>();
+      run(dd, integral_constant<int, 4>{}, integral_constant<int, 2>{});
     } else {
-      run.template operator()<DD, 8, 1>();
+      run(dd, integral_constant<int, 8>{}, integral_constant<int, 1>{});
     }
   };
   if (D == 8) {
-    by_batch.template operator()<8>();
+    by_batch(integral_constant<int, 8>{});
   } else if (D == 16 && sizeof(acc_t) == 4) {
-    by_batch.template operator()<16>();
+    by_batch(integral_constant<int, 16>{});
   } else if (D == 4) {
-    by_batch.template operator()<4>();
+    by_batch(integral_constant<int, 4>{});
   } else {
     at::parallel_for(0, ceil_div(N, kGatherRowsPerItem), 1, [&](int64_t begin, int64_t end) {
       for (int64_t it = begin; it < end; ++it) {
