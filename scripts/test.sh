@@ -13,6 +13,9 @@ if ! command -v clang++ >/dev/null 2>&1; then
 fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
-# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects).
-bash scripts/sanitize.sh
+# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects):
+# RLX_SANITIZE_TESTS=1 turns it on (a full second build: see docs/troubleshooting.md).
+if [ "${RLX_SANITIZE_TESTS:-0}" = 1 ]; then
+  bash scripts/sanitize.sh
+fi
 bash scripts/check_wheel.sh
