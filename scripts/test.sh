@@ -17,6 +17,9 @@ fi
 # clang (Apple's compiler) with -Werror; the CPU kernels for arm64 under qemu (Linux x86-64 only)
 bash scripts/ci_clang.sh
 bash scripts/ci_arm64.sh
-# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects).
-bash scripts/sanitize.sh
+# The C++-heavy modules again against an ASan + UBSan build (build/sanitize/, own objects):
+# RLX_SANITIZE_TESTS=1 turns it on (a full second build: see docs/troubleshooting.md).
+if [ "${RLX_SANITIZE_TESTS:-0}" = 1 ]; then
+  bash scripts/sanitize.sh
+fi
 bash scripts/check_wheel.sh

@@ -125,7 +125,7 @@ def test_gate_gradients_in_float32_are_as_accurate_as_a_plain_pytorch_fallback(
         recurrent, monkeypatch):
     if recurrent:  # the token-by-token backward (a gate per channel, or any g > 0, runs it)
         monkeypatch.setenv("RLX_GDN_RECURRENT_BACKWARD", "1")
-    size = dict(B=2, T=200, H=2, K=64, V=64, seed=0)
+    size = dict(B=2, T=256, H=2, K=64, V=64, seed=0)
     exact = gate_gradients(torch.float64, recurrence, **size)
     ours = gate_gradients(torch.float32, rlx, **size)
     theirs = gate_gradients(torch.float32, chunked_fallback, **size)
