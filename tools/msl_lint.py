@@ -8,7 +8,14 @@ Rules (see DESIGN.md, "Metal without a Mac"):
 - everything the emulator's translator requires (every kernel parameter has a binding
   attribute, host_name instantiations name a kernel template, ...).
 
-Usage: python tools/msl_lint.py [files...]   (default: csrc/mps/kernels/*.metal); exit 1 on errors.
+Host code (csrc/mps/*.mm, *.h; setup.py compiles them without ARC, so an autoreleased object
+outside a pool of ours is never freed):
+- every `dispatch_sync(queue, ^{ ... })` block starts with `@autoreleasepool`;
+- every call that builds Metal objects (newLibraryWithSource, newFunctionWithName,
+  newComputePipelineStateWithFunction) sits inside an `@autoreleasepool { ... }`.
+
+Usage: python tools/msl_lint.py [files...]   (default: csrc/mps/kernels/*.metal and the host
+code); .metal files get the MSL rules, .mm/.h files the host rules; exit 1 on errors.
 """
 
 import os
@@ -169,19 +176,57 @@ def lint_source(src, path="<source>"):
     return out
 
 
+_BUILDS_OBJECTS = ("newLibraryWithSource", "newFunctionWithName",
+                   "newComputePipelineStateWithFunction")
+
+
+def lint_host_source(src, path="<source>"):
+    """Autorelease rules of the Objective-C++ host code; 'path:line: message' strings."""
+    code = _strip(src)
+    pools = []
+    for m in re.finditer(r"@autoreleasepool\s*\{", code):
+        pools.append((m.end() - 1, _match_brace(code, m.end() - 1)))
+    out = []
+    for m in re.finditer(r"\bdispatch_sync\s*\(", code):
+        block = re.compile(r"\^\s*(?:\([^()]*\)\s*)?\{").search(code, m.end())
+        if block is None:
+            continue
+        body = code[block.end():].lstrip()
+        if not body.startswith("@autoreleasepool"):
+            out.append(f"{path}:{_line(code, m.start())}: dispatch_sync block without "
+                       "@autoreleasepool (encoders and other autoreleased objects would never "
+                       "be freed)")
+    for name in _BUILDS_OBJECTS:
+        for m in re.finditer(r"\b" + name + r"\s*:", code):
+            if not any(a < m.start() < b for a, b in pools):
+                out.append(f"{path}:{_line(code, m.start())}: {name}: outside "
+                           "@autoreleasepool")
+    return out
+
+
 def lint_files(paths):
     problems = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
-            problems += lint_source(f.read(), os.path.relpath(p, ROOT))
+            text = f.read()
+        rel = os.path.relpath(p, ROOT)
+        problems += lint_source(text, rel) if p.endswith(".metal") else lint_host_source(text, rel)
     return problems
+
+
+def host_files():
+    mdir = os.path.join(ROOT, "csrc", "mps")
+    if not os.path.isdir(mdir):
+        return []
+    return sorted(os.path.join(mdir, f) for f in os.listdir(mdir) if f.endswith((".mm", ".h")))
 
 
 def default_files():
     kdir = os.path.join(ROOT, "csrc", "mps", "kernels")
     if not os.path.isdir(kdir):
-        return []
-    return sorted(os.path.join(kdir, f) for f in os.listdir(kdir) if f.endswith(".metal"))
+        return host_files()
+    return sorted(os.path.join(kdir, f) for f in os.listdir(kdir)
+                  if f.endswith(".metal")) + host_files()
 
 
 if __name__ == "__main__":
