@@ -133,3 +133,13 @@ def test_host_lint_accepts_pools():
 def test_host_lint_rejects_missing_pools(bad, message):
     problems = msl_lint.lint_host_source(bad, "x.mm")
     assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_math_with_a_fast_variant_names_its_precision():
+    precise = GOOD.replace("row[0] = twice(x[i]);",
+                           "row[0] = precise::exp(x[i]) + fast::log(x[i]);")
+    assert msl_lint.lint_source(precise) == []
+    for f in ("exp", "log", "pow", "divide"):
+        bare = GOOD.replace("row[0] = twice(x[i]);", f"row[0] = {f}(x[i], x[i]);")
+        problems = msl_lint.lint_source(bare, "k.metal")
+        assert len(problems) == 1 and f"bare {f}()" in problems[0], problems

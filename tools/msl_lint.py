@@ -5,6 +5,8 @@ Rules (see DESIGN.md, "Metal without a Mac"):
 - no recursion (Metal forbids it), found through the call graph of the file's functions;
 - no `threadgroup` variables declared in a function body: threadgroup memory is a
   `[[threadgroup(i)]]` kernel parameter sized by the launch plan;
+- exp, log, pow, divide and the other functions whose fast variant is less accurate are
+  written precise::f or fast::f: macOS 15 makes the fast variants the default of a bare f;
 - everything the emulator's translator requires (every kernel parameter has a binding
   attribute, host_name instantiations name a kernel template, ...).
 
@@ -141,6 +143,10 @@ def _attribute_type_problems(code, path):
     return out
 
 
+_FAST_VARIANTS = ("exp", "exp2", "exp10", "log", "log2", "log10", "pow", "powr", "divide",
+                  "tanh", "sin", "cos", "tan")
+
+
 def lint_source(src, path="<source>"):
     """Returns a list of 'path:line: message' strings."""
     from tests.metal_emu.translate import TranslationError, translate
@@ -158,6 +164,9 @@ def lint_source(src, path="<source>"):
     for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
         if m.group(1).strip() != "<metal_stdlib>":
             report(m.start(), f"only <metal_stdlib> may be included, not {m.group(1).strip()}")
+    for m in re.finditer(r"(?<![\w:.])(" + "|".join(_FAST_VARIANTS) + r")\s*\(", code):
+        report(m.start(), f"bare {m.group(1)}(): write precise::{m.group(1)} (or fast::) so "
+               "the accuracy does not depend on the library's math mode")
     funcs = _functions(code)
     for spans in funcs.values():
         for a, b in spans:

@@ -532,6 +532,14 @@ void rlx_mock_set_max_threads(const char* kernel, uint32_t n) {
   else
     config.max_threads_of[kernel] = n;
 }
+// Drains pools left in place by an exception thrown inside @autoreleasepool (between tests).
+void rlx_mock_drain_stale_pools() {
+  while (!pools.empty()) {
+    std::vector<id> objects = std::move(pools.back());
+    pools.pop_back();
+    for (id o : objects) [o release];
+  }
+}
 void rlx_mock_clear_max_threads() {
   config.max_threads = 1024;
   config.max_threads_of.clear();

@@ -151,6 +151,8 @@ void stream_synchronize() {  // PyTorch's copies to the CPU sync on the stream's
 
 }  // namespace rlx_mock
 
+extern "C" void rlx_mock_drain_stale_pools();
+
 extern "C" {
 
 void rlx_mock_set_torch_mode(int mode) { torch_mode = mode; }
@@ -159,6 +161,7 @@ void rlx_mock_set_torch_mode(int mode) { torch_mode = mode; }
 // autoreleased_without_pool, which counts since the library was loaded.
 void rlx_mock_reset() {
   on_stream_queue = 0;
+  rlx_mock_drain_stale_pools();
   try {
     rlx_mock::stream_synchronize();
   } catch (const std::exception&) {
