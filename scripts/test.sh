@@ -12,6 +12,16 @@ if ! command -v clang++ >/dev/null 2>&1; then
     echo "warning: clang++ not found; the Metal host-code compile check will not run" >&2
   fi
 fi
+# The Metal host code on the mock runtime (tests/test_metal_host_mock.py) also needs GNU's
+# Objective-C runtime and the blocks runtime.
+if ! { [ -e /usr/include/Block.h ] && [ -n "$(gcc -print-file-name=libobjc.so | grep /)" ]; }; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+      "libobjc-$(gcc -dumpversion | cut -d. -f1)-dev" libblocksruntime-dev >/dev/null
+  else
+    echo "warning: libobjc or libBlocksRuntime missing; the mock-runtime host tests will not run" >&2
+  fi
+fi
 .venv/bin/ruff check .
 .venv/bin/python -m pytest -q "$@"
 # clang (Apple's compiler) with -Werror; the CPU kernels for arm64 under qemu (Linux x86-64 only)

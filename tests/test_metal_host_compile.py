@@ -3,6 +3,7 @@
 Metal/Foundation/dispatch stubs in tests/metal_emu/objc_stubs (exactly the API we use,
 transcribed from Apple's documentation). This proves the Objective-C++ is well-formed and calls
 only declared selectors; it cannot prove Apple's SDK agrees on details the stubs leave out.
+tests/test_metal_host_mock.py builds the same files against the same stubs and runs them.
 
 clang++ comes from apt (`apt-get install -y clang`). Without it the test fails in CI (CI=true)
 and skips locally."""

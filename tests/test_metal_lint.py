@@ -90,3 +90,56 @@ def test_embedded_header_holds_every_kernel_file(tmp_path):
             assert f.read() in text
     with pytest.raises(ValueError, match="delimiter"):
         embed_metal.render([("x.metal", 'a )RLX_METAL" b')])
+
+
+HOST_FILES = msl_lint.host_files()
+
+HOST_GOOD = """
+void f(dispatch_queue_t q, id<MTLDevice> d, NSString* s) {
+  dispatch_sync(q, ^{
+    @autoreleasepool {
+      run();  // dispatch_sync(q, ^{ ... }) in a comment is fine
+    }
+  });
+  @autoreleasepool {
+    id<MTLLibrary> lib = [d newLibraryWithSource:s options:nil error:nil];
+  }
+}
+"""
+
+
+def test_host_files_exist():
+    assert any(p.endswith(".mm") for p in HOST_FILES)
+
+
+@pytest.mark.parametrize("path", HOST_FILES, ids=os.path.basename)
+def test_every_host_file_is_clean(path):
+    assert msl_lint.lint_files([path]) == []
+
+
+def test_host_lint_accepts_pools():
+    assert msl_lint.lint_host_source(HOST_GOOD) == []
+
+
+@pytest.mark.parametrize("bad,message", [
+    (HOST_GOOD.replace("    @autoreleasepool {\n      run();", "    {\n      run();"),
+     "dispatch_sync block without @autoreleasepool"),
+    (HOST_GOOD.replace("dispatch_sync(q, ^{", "dispatch_sync(q, ^() {").replace(
+        "@autoreleasepool {\n      run();", "{\n      run();"),
+     "dispatch_sync block without @autoreleasepool"),
+    (HOST_GOOD.replace("  @autoreleasepool {\n    id<MTLLibrary>", "  {\n    id<MTLLibrary>"),
+     "newLibraryWithSource: outside @autoreleasepool"),
+])
+def test_host_lint_rejects_missing_pools(bad, message):
+    problems = msl_lint.lint_host_source(bad, "x.mm")
+    assert len(problems) == 1 and message in problems[0], problems
+
+
+def test_math_with_a_fast_variant_names_its_precision():
+    precise = GOOD.replace("row[0] = twice(x[i]);",
+                           "row[0] = precise::exp(x[i]) + fast::log(x[i]);")
+    assert msl_lint.lint_source(precise) == []
+    for f in ("exp", "log", "pow", "divide"):
+        bare = GOOD.replace("row[0] = twice(x[i]);", f"row[0] = {f}(x[i], x[i]);")
+        problems = msl_lint.lint_source(bare, "k.metal")
+        assert len(problems) == 1 and f"bare {f}()" in problems[0], problems

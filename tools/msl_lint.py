@@ -5,10 +5,19 @@ Rules (see DESIGN.md, "Metal without a Mac"):
 - no recursion (Metal forbids it), found through the call graph of the file's functions;
 - no `threadgroup` variables declared in a function body: threadgroup memory is a
   `[[threadgroup(i)]]` kernel parameter sized by the launch plan;
+- exp, log, pow, divide and the other functions whose fast variant is less accurate are
+  written precise::f or fast::f: macOS 15 makes the fast variants the default of a bare f;
 - everything the emulator's translator requires (every kernel parameter has a binding
   attribute, host_name instantiations name a kernel template, ...).
 
-Usage: python tools/msl_lint.py [files...]   (default: csrc/mps/kernels/*.metal); exit 1 on errors.
+Host code (csrc/mps/*.mm, *.h; setup.py compiles them without ARC, so an autoreleased object
+outside a pool of ours is never freed):
+- every `dispatch_sync(queue, ^{ ... })` block starts with `@autoreleasepool`;
+- every call that builds Metal objects (newLibraryWithSource, newFunctionWithName,
+  newComputePipelineStateWithFunction) sits inside an `@autoreleasepool { ... }`.
+
+Usage: python tools/msl_lint.py [files...]   (default: csrc/mps/kernels/*.metal and the host
+code); .metal files get the MSL rules, .mm/.h files the host rules; exit 1 on errors.
 """
 
 import os
@@ -134,6 +143,10 @@ def _attribute_type_problems(code, path):
     return out
 
 
+_FAST_VARIANTS = ("exp", "exp2", "exp10", "log", "log2", "log10", "pow", "powr", "divide",
+                  "tanh", "sin", "cos", "tan")
+
+
 def lint_source(src, path="<source>"):
     """Returns a list of 'path:line: message' strings."""
     from tests.metal_emu.translate import TranslationError, translate
@@ -151,6 +164,9 @@ def lint_source(src, path="<source>"):
     for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
         if m.group(1).strip() != "<metal_stdlib>":
             report(m.start(), f"only <metal_stdlib> may be included, not {m.group(1).strip()}")
+    for m in re.finditer(r"(?<![\w:.])(" + "|".join(_FAST_VARIANTS) + r")\s*\(", code):
+        report(m.start(), f"bare {m.group(1)}(): write precise::{m.group(1)} (or fast::) so "
+               "the accuracy does not depend on the library's math mode")
     funcs = _functions(code)
     for spans in funcs.values():
         for a, b in spans:
@@ -169,19 +185,57 @@ def lint_source(src, path="<source>"):
     return out
 
 
+_BUILDS_OBJECTS = ("newLibraryWithSource", "newFunctionWithName",
+                   "newComputePipelineStateWithFunction")
+
+
+def lint_host_source(src, path="<source>"):
+    """Autorelease rules of the Objective-C++ host code; 'path:line: message' strings."""
+    code = _strip(src)
+    pools = []
+    for m in re.finditer(r"@autoreleasepool\s*\{", code):
+        pools.append((m.end() - 1, _match_brace(code, m.end() - 1)))
+    out = []
+    for m in re.finditer(r"\bdispatch_sync\s*\(", code):
+        block = re.compile(r"\^\s*(?:\([^()]*\)\s*)?\{").search(code, m.end())
+        if block is None:
+            continue
+        body = code[block.end():].lstrip()
+        if not body.startswith("@autoreleasepool"):
+            out.append(f"{path}:{_line(code, m.start())}: dispatch_sync block without "
+                       "@autoreleasepool (encoders and other autoreleased objects would never "
+                       "be freed)")
+    for name in _BUILDS_OBJECTS:
+        for m in re.finditer(r"\b" + name + r"\s*:", code):
+            if not any(a < m.start() < b for a, b in pools):
+                out.append(f"{path}:{_line(code, m.start())}: {name}: outside "
+                           "@autoreleasepool")
+    return out
+
+
 def lint_files(paths):
     problems = []
     for p in paths:
         with open(p, encoding="utf-8") as f:
-            problems += lint_source(f.read(), os.path.relpath(p, ROOT))
+            text = f.read()
+        rel = os.path.relpath(p, ROOT)
+        problems += lint_source(text, rel) if p.endswith(".metal") else lint_host_source(text, rel)
     return problems
+
+
+def host_files():
+    mdir = os.path.join(ROOT, "csrc", "mps")
+    if not os.path.isdir(mdir):
+        return []
+    return sorted(os.path.join(mdir, f) for f in os.listdir(mdir) if f.endswith((".mm", ".h")))
 
 
 def default_files():
     kdir = os.path.join(ROOT, "csrc", "mps", "kernels")
     if not os.path.isdir(kdir):
-        return []
-    return sorted(os.path.join(kdir, f) for f in os.listdir(kdir) if f.endswith(".metal"))
+        return host_files()
+    return sorted(os.path.join(kdir, f) for f in os.listdir(kdir)
+                  if f.endswith(".metal")) + host_files()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <tuple>
@@ -82,10 +83,26 @@ const at::Tensor& or_dummy(const at::Tensor& t, const at::Tensor& dummy) {
   return t.numel() > 0 ? t : dummy;
 }
 
+// The smallest maxTotalThreadsPerThreadgroup of the two kernels a plan chooses from.
+uint32_t max_threads(rlx::mps::CodebookKernels k) {
+  return std::min(rlx::mps::max_threads(kSource, k.matvec),
+                  rlx::mps::max_threads(kSource, k.tiled));
+}
+
+// A single-kernel plan, made again for its pipeline's maxTotalThreadsPerThreadgroup.
+template <class MakePlan>
+auto clamped(MakePlan make, const char* source = kSource) {
+  const auto first = make(rlx::mps::kMaxThreadsPerThreadgroup);
+  const uint32_t limit = rlx::mps::max_threads(source, first.launch.kernel);
+  return limit >= first.launch.threads.count() ? first : make(limit);
+}
+
 Dispatch forward_dispatch(const Inputs& in, const std::optional<at::Tensor>& scales,
                           const std::optional<at::Tensor>& bias, const at::Tensor& out,
                           bool float_out) {
-  const CodebookPlan plan = rlx::mps::plan_codebook_forward(in.shape, float_out);
+  const CodebookPlan plan = rlx::mps::plan_codebook_forward(
+      in.shape, float_out,
+      max_threads(rlx::mps::codebook_forward_kernels(in.shape, float_out)));
   const at::Tensor& dummy = in.codebook;
   const at::Tensor s = scales.has_value() && !float_out ? scales->contiguous() : dummy;
   const at::Tensor b = bias.has_value() && !float_out ? bias->contiguous() : dummy;
@@ -109,7 +126,9 @@ Dispatch sorted_dcodebook_dispatch(const Inputs& in, const at::Tensor& g2, const
   const auto sorted = at::sort(keys, /*stable=*/true, /*dim=*/0, /*descending=*/false);
   const at::Tensor sorted_keys = std::get<0>(sorted).contiguous();
   const at::Tensor order = std::get<1>(sorted).to(at::kInt).contiguous();
-  const rlx::mps::CodebookSortedPlan plan = rlx::mps::plan_codebook_dcodebook_sorted(in.shape);
+  const rlx::mps::CodebookSortedPlan plan = clamped(
+      [&](uint32_t limit) { return rlx::mps::plan_codebook_dcodebook_sorted(in.shape, limit); },
+      kSortedSource);
   const at::Tensor& dummy = in.codebook;
   Dispatch dispatch;
   dispatch.launch = plan.launch;
@@ -145,7 +164,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_mps(
 
   if (mask[0]) {
     dx = at::empty({d.rows, d.in_features}, x.options());
-    work.push_back(make_dispatch(rlx::mps::plan_codebook_dx(in.shape),
+    const uint32_t limit = max_threads(rlx::mps::codebook_dx_kernels(in.shape));
+    work.push_back(make_dispatch(rlx::mps::plan_codebook_dx(in.shape, limit),
                                  {{0, or_dummy(g2, dummy)},
                                   {1, in.indices},
                                   {2, in.codebook},
@@ -166,9 +186,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_mps(
                                            {2, in.indices},
                                            {3, s},
                                            {4, partials}}));
-    work.push_back(make_dispatch(
-        rlx::mps::plan_codebook_dcodebook_reduce(partial, in.shape.dtype),
-        {{0, partials}, {1, dc}}));
+    work.push_back(make_dispatch(clamped([&](uint32_t limit) {
+                                   return rlx::mps::plan_codebook_dcodebook_reduce(
+                                       partial, in.shape.dtype, limit);
+                                 }),
+                                 {{0, partials}, {1, dc}}));
   }
   if (mask[2] || mask[3]) {
     at::Tensor y = dummy;
@@ -179,7 +201,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_mps(
     if (mask[2]) ds = at::empty({d.out_features}, x.options());
     if (mask[3]) db = at::empty({d.out_features}, x.options());
     work.push_back(make_dispatch(
-        rlx::mps::plan_codebook_dscale_dbias(in.shape, mask[2], mask[3]),
+        clamped([&](uint32_t limit) {
+          return rlx::mps::plan_codebook_dscale_dbias(in.shape, mask[2], mask[3], limit);
+        }),
         {{0, or_dummy(g2, dummy)},
          {1, or_dummy(y, dummy)},
          {2, mask[2] ? or_dummy(ds, dummy) : dummy},

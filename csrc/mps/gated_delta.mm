@@ -77,8 +77,7 @@ at::Tensor on_device(const at::Tensor& cu_seqlens, const at::Tensor& like) {
 }
 
 uint32_t max_threads(bool backward, mps::GdnDtype t) {
-  return uint32_t(mps::pipeline(kSource, mps::gdn_kernel_name(backward, t))
-                      .maxTotalThreadsPerThreadgroup);
+  return mps::max_threads(kSource, mps::gdn_kernel_name(backward, t));
 }
 
 // The Metal kernels take q and k as given: rlx_torch.gated_delta_rule normalizes them first on
@@ -173,7 +172,9 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
   const auto f32 = q_in.options().dtype(at::kFloat);
   // Every element is written by the kernels (no zero-fill pass).
   at::Tensor packed = at::empty({lay.total}, f32);
-  const mps::GdnBackwardPlan plan = mps::gdn_backward_plan(s, max_threads(true, s.dtype));
+  const mps::GdnBackwardPlan plan =
+      mps::gdn_backward_plan(s, max_threads(true, s.dtype), mps::kGdnPartialBudget,
+                             mps::max_threads(kSource, mps::kGdnReduceKernel));
   at::Tensor partials = at::empty({int64_t(std::max<uint64_t>(plan.partial_floats, 1))}, f32);
   at::Tensor carry = plan.carry_floats > 0 ? at::empty({int64_t(plan.carry_floats)}, f32)
                                            : partials;

@@ -3,14 +3,14 @@
 //   inside it (views and slices bind at their own first element);
 // - pipeline(): each embedded .metal source (tools/embed_metal.py) is compiled once into an
 //   MTLLibrary, and each kernel's MTLComputePipelineState is cached, under one mutex;
-// - encode(): encodes dispatches on PyTorch's MPS stream -- inside dispatch_sync on its queue,
-//   with the command buffer taken inside the block, endEncoding, torch::mps::commit().
+// - encode(): encodes dispatches into PyTorch's own compute encoder on its MPS stream, inside
+//   dispatch_sync on the stream's queue (see encode() for why not a command encoder of ours).
 // Launch plans (grid, threadgroup size, params, threadgroup memory) come from the plain C++
 // headers in csrc/include/rlx/mps_*_plan.h, which the Linux emulator tests run too.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <torch/mps.h>
+#include <ATen/mps/MPSStream.h>
 
 #include <Foundation/Foundation.h>
 #include <Metal/Metal.h>
@@ -51,7 +51,36 @@ inline bool ends_with(const std::string& s, const char* suffix) {
   return s.size() >= n && s.compare(s.size() - n, n, suffix) == 0;
 }
 
-// The pipeline of `kernel` (host name) in the embedded source `source` (file stem).
+// Options for compiling the embedded sources. The language version is explicit, so the
+// `__METAL_VERSION__` paths the CI compiles (300, 310) are the ones a Mac runs: 3.1 (bfloat
+// kernels) from macOS 14, 3.0 on macOS 13. Math: IEEE-conforming optimizations and precise
+// exp/log/division, like the CPU reference. macOS 15 deprecates fastMathEnabled, and its
+// default for the math functions is the fast variants, so there both new options are set.
+// Returns a +1 object.
+inline MTLCompileOptions* new_compile_options() {
+  MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
+  if (@available(macOS 14.0, *)) {
+    options.languageVersion = MTLLanguageVersion3_1;
+  } else if (@available(macOS 13.0, *)) {
+    options.languageVersion = MTLLanguageVersion3_0;
+  } else {
+#if !__has_feature(objc_arc)
+    [options release];
+#endif
+    TORCH_CHECK(false, "rlx: the Metal kernels need macOS 13 or newer (Metal 3.0)");
+  }
+  if (@available(macOS 15.0, *)) {
+    options.mathMode = MTLMathModeSafe;
+    options.mathFloatingPointFunctions = MTLMathFloatingPointFunctionsPrecise;
+  } else {
+    options.fastMathEnabled = NO;
+  }
+  return options;
+}
+
+// The pipeline of `kernel` (host name) in the embedded source `source` (file stem). The
+// Objective-C temporaries (autoreleased strings, errors) are drained by a pool of our own:
+// setup.py compiles without ARC and the caller may have no pool.
 inline id<MTLComputePipelineState> pipeline(const char* source, const std::string& kernel) {
   static std::mutex mutex;
   static std::unordered_map<std::string, id<MTLLibrary>> libraries;
@@ -62,41 +91,57 @@ inline id<MTLComputePipelineState> pipeline(const char* source, const std::strin
 
   static id<MTLDevice> device = MTLCreateSystemDefaultDevice();
   TORCH_CHECK(device != nil, "rlx: no Metal device is available");
-  id<MTLLibrary> library = nil;
-  if (auto it = libraries.find(source); it != libraries.end()) {
-    library = it->second;
-  } else {
-    const char* text = embedded_source(source);
-    TORCH_CHECK(text != nullptr, "rlx: no embedded Metal source named ", source);
-    MTLCompileOptions* options = [[MTLCompileOptions alloc] init];
-    options.fastMathEnabled = NO;  // IEEE exp/log/division, like the CPU reference
-    NSError* error = nil;
-    library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
-                                   options:options
-                                     error:&error];
+  std::string failure;
+  id<MTLComputePipelineState> state = nil;
+  @autoreleasepool {
+    id<MTLLibrary> library = nil;
+    if (auto it = libraries.find(source); it != libraries.end()) {
+      library = it->second;
+    } else if (const char* text = embedded_source(source); text == nullptr) {
+      failure = std::string("rlx: no embedded Metal source named ") + source;
+    } else {
+      MTLCompileOptions* options = new_compile_options();
+      NSError* error = nil;
+      library = [device newLibraryWithSource:[NSString stringWithUTF8String:text]
+                                     options:options
+                                       error:&error];
 #if !__has_feature(objc_arc)
-    [options release];
+      [options release];
 #endif
-    TORCH_CHECK(library != nil, "rlx: compiling the Metal source ", source,
-                ".metal failed: ", describe(error));
-    libraries.emplace(source, library);
+      if (library == nil)
+        failure = "rlx: compiling the Metal source " + std::string(source) +
+                  ".metal failed: " + describe(error);
+      else
+        libraries.emplace(source, library);
+    }
+    if (library != nil) {
+      id<MTLFunction> function =
+          [library newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
+      if (function == nil) {
+        // bfloat kernels are compiled only for Metal 3.1+ (`#if __METAL_VERSION__ >= 310`).
+        failure = "rlx: Metal kernel " + kernel + " is missing from " + source + ".metal" +
+                  (ends_with(kernel, "_bf16") ? "; bfloat16 needs Metal 3.1 (macOS 14 or newer)"
+                                              : "");
+      } else {
+        NSError* error = nil;
+        state = [device newComputePipelineStateWithFunction:function error:&error];
+#if !__has_feature(objc_arc)
+        [function release];
+#endif
+        if (state == nil)
+          failure = "rlx: building the pipeline of " + kernel + " failed: " + describe(error);
+      }
+    }
   }
-  id<MTLFunction> function =
-      [library newFunctionWithName:[NSString stringWithUTF8String:kernel.c_str()]];
-  // bfloat kernels are compiled only for Metal 3.1+ (`#if __METAL_VERSION__ >= 310`).
-  TORCH_CHECK(function != nil, "rlx: Metal kernel ", kernel, " is missing from ", source,
-              ".metal",
-              ends_with(kernel, "_bf16") ? "; bfloat16 needs Metal 3.1 (macOS 14 or newer)" : "");
-  NSError* error = nil;
-  id<MTLComputePipelineState> state =
-      [device newComputePipelineStateWithFunction:function error:&error];
-#if !__has_feature(objc_arc)
-  [function release];
-#endif
-  TORCH_CHECK(state != nil, "rlx: building the pipeline of ", kernel, " failed: ",
-              describe(error));
+  TORCH_CHECK(state != nil, failure);
   pipelines.emplace(key, state);
   return state;
+}
+
+// The most threads per threadgroup `kernel`'s pipeline allows (at least 32 on Apple GPUs;
+// lower than 1024 when the kernel needs many registers). Launch plans clamp to it.
+inline uint32_t max_threads(const char* source, const std::string& kernel) {
+  return uint32_t(pipeline(source, kernel).maxTotalThreadsPerThreadgroup);
 }
 
 // One dispatch: a plan, the tensors bound to [[buffer(i)]] slots, and the params bytes
@@ -113,9 +158,20 @@ struct Dispatch {
   }
 };
 
-// Encodes the dispatches, in order, into one compute encoder on PyTorch's current MPS command
-// buffer (a serial encoder: each dispatch sees the previous one's writes). Dispatches with an
-// empty grid are skipped. Every bound tensor must be an MPS tensor.
+// Encodes the dispatches, in order, into the compute encoder of PyTorch's current MPS stream
+// (a serial encoder: each dispatch sees the previous one's writes, and PyTorch's kernels
+// before and after see ours, in stream order). Dispatches with an empty grid are skipped.
+// Every bound tensor must be an MPS tensor.
+//
+// Why PyTorch's encoder: PyTorch keeps one compute encoder open across its own kernels
+// ("kernel coalescing"). torch::mps::get_command_buffer() of torch 2.5-2.8 returns the
+// command buffer with that encoder still open, and a second [computeCommandEncoder] on it
+// fails Metal's "A command encoder is already encoding to this command buffer" assertion
+// (torch 2.9 ends the encoder there). MPSStream::commandEncoder() returns the open encoder,
+// or opens one, in every torch >= 2.5 (docs/macos.md lists what was checked), so we encode
+// into it, as PyTorch's own kernels do. PyTorch ends it and commits the command buffer when
+// it next needs to (a sync, a copy to the CPU, its commit policy): no endEncoding and no
+// torch::mps::commit() here, which would also cost a command buffer per op.
 inline void encode(const char* source, const std::vector<Dispatch>& dispatches) {
   struct Bound {
     id<MTLBuffer> buffer;
@@ -145,28 +201,30 @@ inline void encode(const char* source, const std::vector<Dispatch>& dispatches) 
     work.push_back(std::move(e));
   }
   if (work.empty()) return;
+  at::mps::MPSStream* stream = at::mps::getCurrentMPSStream();
+  TORCH_CHECK(stream != nullptr, "rlx: PyTorch has no current MPS stream");
   const Encoded* items = work.data();
   const size_t n = work.size();
-  dispatch_sync(torch::mps::get_dispatch_queue(), ^{
-    id<MTLCommandBuffer> command_buffer = torch::mps::get_command_buffer();
-    id<MTLComputeCommandEncoder> encoder = [command_buffer computeCommandEncoder];
-    for (size_t i = 0; i < n; ++i) {
-      const Encoded& e = items[i];
-      const Launch& l = e.dispatch->launch;
-      [encoder setComputePipelineState:e.state];
-      for (const Bound& b : e.buffers) [encoder setBuffer:b.buffer offset:b.offset atIndex:b.index];
-      if (!e.dispatch->params.empty())
-        [encoder setBytes:e.dispatch->params.data()
-                   length:e.dispatch->params.size()
-                  atIndex:NSUInteger(l.params_index)];
-      for (uint32_t t = 0; t < l.n_threadgroup_memory; ++t)
-        [encoder setThreadgroupMemoryLength:l.threadgroup_memory[t] atIndex:t];
-      [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups.x, l.threadgroups.y,
-                                                l.threadgroups.z)
-              threadsPerThreadgroup:MTLSizeMake(l.threads.x, l.threads.y, l.threads.z)];
+  dispatch_sync(stream->queue(), ^{
+    @autoreleasepool {
+      id<MTLComputeCommandEncoder> encoder = stream->commandEncoder();
+      for (size_t i = 0; i < n; ++i) {
+        const Encoded& e = items[i];
+        const Launch& l = e.dispatch->launch;
+        [encoder setComputePipelineState:e.state];
+        for (const Bound& b : e.buffers)
+          [encoder setBuffer:b.buffer offset:b.offset atIndex:b.index];
+        if (!e.dispatch->params.empty())
+          [encoder setBytes:e.dispatch->params.data()
+                     length:e.dispatch->params.size()
+                    atIndex:NSUInteger(l.params_index)];
+        for (uint32_t t = 0; t < l.n_threadgroup_memory; ++t)
+          [encoder setThreadgroupMemoryLength:l.threadgroup_memory[t] atIndex:t];
+        [encoder dispatchThreadgroups:MTLSizeMake(l.threadgroups.x, l.threadgroups.y,
+                                                  l.threadgroups.z)
+                threadsPerThreadgroup:MTLSizeMake(l.threads.x, l.threads.y, l.threads.z)];
+      }
     }
-    [encoder endEncoding];
-    torch::mps::commit();
   });
 }
 

@@ -137,6 +137,7 @@ class MetalLibrary:
 
     def __init__(self, path, entries, so_path):
         self.path = path
+        self.so_path = str(so_path)
         self.entries = {e.name: e for e in entries}
         self._dll = ctypes.CDLL(str(so_path))
         self._launch = self._dll.rlx_emu_launch
@@ -259,13 +260,16 @@ def load(path):
         return _libraries[key]
 
 
-def load_source(src, name="inline"):
-    """Like load() for MSL text held in a string (tests of the emulator itself)."""
-    key = (name, hashlib.sha256(src.encode()).hexdigest())
+def load_source(src, name="inline", metal_version=None):
+    """Like load() for MSL text held in a string (tests of the emulator itself, and the mock
+    Metal runtime's newLibraryWithSource). metal_version: the `__METAL_VERSION__` to compile
+    with (e.g. 300, 310; default: the shim's)."""
+    flags = () if metal_version is None else (f"-D__METAL_VERSION__={int(metal_version)}",)
+    key = (name, hashlib.sha256(src.encode()).hexdigest(), flags)
     with _lock:
         if key not in _libraries:
             cpp, entries = generate(src, f"{name}.metal")
-            _libraries[key] = MetalLibrary(name, entries, _compile(cpp, name))
+            _libraries[key] = MetalLibrary(name, entries, _compile(cpp, name, flags))
         return _libraries[key]
 
 

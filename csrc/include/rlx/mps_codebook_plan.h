@@ -13,6 +13,11 @@
 // 16-bit indices (index_bytes 2) take the "_u16" variants of the forward and grad_x kernels
 // and codebook_dcodebook_sorted for grad_codebook.
 // Absent optional tensors are bound to any valid buffer (the flags keep them unread).
+//
+// max_threads: the smallest maxTotalThreadsPerThreadgroup of the pipelines a plan may pick
+// (codebook_*_kernels() name them). A pipeline may allow fewer than the 128/256 threads the
+// kernels prefer; the plans then take fewer simdgroups, or the matrix-vector kernels in place
+// of the 256-thread tiled ones (which any batch size can use).
 #pragma once
 
 #include <cstdint>
@@ -94,7 +99,47 @@ inline uint32_t codebook_stage_bytes(const CodebookParams& p) {
              : 16;
 }
 
-inline bool codebook_use_matvec(const CodebookShape& s) { return s.rows <= kCodebookMvMaxRows; }
+inline bool codebook_use_matvec(const CodebookShape& s, uint32_t max_threads) {
+  return s.rows <= kCodebookMvMaxRows || max_threads < kCodebookTileThreads;
+}
+
+// Threads per threadgroup: `want`, or the most whole simdgroups max_threads allows.
+inline uint32_t codebook_threads(uint32_t want, uint32_t max_threads) {
+  const uint32_t fit = max_threads / kSimdWidth * kSimdWidth;
+  return fit < kSimdWidth ? kSimdWidth : (want < fit ? want : fit);
+}
+
+struct CodebookKernels {
+  const char* matvec;
+  const char* tiled;
+};
+
+inline CodebookKernels codebook_forward_kernels(const CodebookShape& s, bool float_out) {
+  static const char* const mv_names[6] = {"codebook_mv_f32",     "codebook_mv_f16",
+                                          "codebook_mv_bf16",    "codebook_mv_u16_f32",
+                                          "codebook_mv_u16_f16", "codebook_mv_u16_bf16"};
+  static const char* const mv_y[6] = {"codebook_mv_f32",          "codebook_mv_f16_yf32",
+                                      "codebook_mv_bf16_yf32",    "codebook_mv_u16_f32",
+                                      "codebook_mv_u16_f16_yf32", "codebook_mv_u16_bf16_yf32"};
+  static const char* const mm_names[6] = {"codebook_mm_f32",     "codebook_mm_f16",
+                                          "codebook_mm_bf16",    "codebook_mm_u16_f32",
+                                          "codebook_mm_u16_f16", "codebook_mm_u16_bf16"};
+  static const char* const mm_y[6] = {"codebook_mm_f32",          "codebook_mm_f16_yf32",
+                                      "codebook_mm_bf16_yf32",    "codebook_mm_u16_f32",
+                                      "codebook_mm_u16_f16_yf32", "codebook_mm_u16_bf16_yf32"};
+  return {codebook_kernel(float_out ? mv_y : mv_names, s),
+          codebook_kernel(float_out ? mm_y : mm_names, s)};
+}
+
+inline CodebookKernels codebook_dx_kernels(const CodebookShape& s) {
+  static const char* const mv_names[6] = {"codebook_dx_mv_f32",     "codebook_dx_mv_f16",
+                                          "codebook_dx_mv_bf16",    "codebook_dx_mv_u16_f32",
+                                          "codebook_dx_mv_u16_f16", "codebook_dx_mv_u16_bf16"};
+  static const char* const mm_names[6] = {"codebook_dx_mm_f32",     "codebook_dx_mm_f16",
+                                          "codebook_dx_mm_bf16",    "codebook_dx_mm_u16_f32",
+                                          "codebook_dx_mm_u16_f16", "codebook_dx_mm_u16_bf16"};
+  return {codebook_kernel(mv_names, s), codebook_kernel(mm_names, s)};
+}
 
 // The tiled (large-batch) kernels: one threadgroup per kCodebookTile x kCodebookTile output
 // tile of [rows, cols], two padded tiles of staging memory plus the staged codebook.
@@ -111,33 +156,23 @@ inline void set_tiled_launch(Launch& l, int64_t cols, int64_t rows, const Codebo
 
 // Forward: out = scales * (x @ W^T) + bias. float_out: float32 output (the grad_scales
 // recomputation of the unscaled product; then has_scales/has_bias are cleared).
-inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out = false) {
+inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out = false,
+                                          uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookPlan plan;
   plan.params = codebook_params(s);
   if (float_out) plan.params.has_scales = plan.params.has_bias = 0;
-  const bool mv = codebook_use_matvec(s);
-  static const char* const mv_names[6] = {"codebook_mv_f32",     "codebook_mv_f16",
-                                          "codebook_mv_bf16",    "codebook_mv_u16_f32",
-                                          "codebook_mv_u16_f16", "codebook_mv_u16_bf16"};
-  static const char* const mv_y[6] = {"codebook_mv_f32",          "codebook_mv_f16_yf32",
-                                      "codebook_mv_bf16_yf32",    "codebook_mv_u16_f32",
-                                      "codebook_mv_u16_f16_yf32", "codebook_mv_u16_bf16_yf32"};
-  static const char* const mm_names[6] = {"codebook_mm_f32",     "codebook_mm_f16",
-                                          "codebook_mm_bf16",    "codebook_mm_u16_f32",
-                                          "codebook_mm_u16_f16", "codebook_mm_u16_bf16"};
-  static const char* const mm_y[6] = {"codebook_mm_f32",          "codebook_mm_f16_yf32",
-                                      "codebook_mm_bf16_yf32",    "codebook_mm_u16_f32",
-                                      "codebook_mm_u16_f16_yf32", "codebook_mm_u16_bf16_yf32"};
+  const CodebookKernels k = codebook_forward_kernels(s, float_out);
   Launch& l = plan.launch;
-  if (mv) {
-    l.kernel = codebook_kernel(float_out ? mv_y : mv_names, s);
-    const uint32_t rows_per_tg = kCodebookMvSimdgroups * kCodebookRowsPerSimd;
+  if (codebook_use_matvec(s, max_threads)) {
+    l.kernel = k.matvec;
+    const uint32_t threads = codebook_threads(kCodebookMvSimdgroups * kSimdWidth, max_threads);
+    const uint32_t rows_per_tg = threads / kSimdWidth * kCodebookRowsPerSimd;
     l.threadgroups = {ceil_div(uint64_t(s.out_features), rows_per_tg), uint32_t(s.rows), 1};
-    l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
+    l.threads = {threads, 1, 1};
     l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
     l.n_threadgroup_memory = 1;
   } else {
-    l.kernel = codebook_kernel(float_out ? mm_y : mm_names, s);
+    l.kernel = k.tiled;
     set_tiled_launch(l, s.out_features, s.rows, plan.params);
   }
   l.params_index = 6;
@@ -145,25 +180,22 @@ inline CodebookPlan plan_codebook_forward(const CodebookShape& s, bool float_out
 }
 
 // grad_x = (grad_out * scales) @ W.
-inline CodebookPlan plan_codebook_dx(const CodebookShape& s) {
+inline CodebookPlan plan_codebook_dx(const CodebookShape& s,
+                                     uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookPlan plan;
   plan.params = codebook_params(s);
-  static const char* const mv_names[6] = {"codebook_dx_mv_f32",     "codebook_dx_mv_f16",
-                                          "codebook_dx_mv_bf16",    "codebook_dx_mv_u16_f32",
-                                          "codebook_dx_mv_u16_f16", "codebook_dx_mv_u16_bf16"};
-  static const char* const mm_names[6] = {"codebook_dx_mm_f32",     "codebook_dx_mm_f16",
-                                          "codebook_dx_mm_bf16",    "codebook_dx_mm_u16_f32",
-                                          "codebook_dx_mm_u16_f16", "codebook_dx_mm_u16_bf16"};
+  const CodebookKernels k = codebook_dx_kernels(s);
   Launch& l = plan.launch;
-  if (codebook_use_matvec(s)) {
-    l.kernel = codebook_kernel(mv_names, s);
+  if (codebook_use_matvec(s, max_threads)) {
+    l.kernel = k.matvec;
+    const uint32_t threads = codebook_threads(kCodebookMvSimdgroups * kSimdWidth, max_threads);
     const uint64_t items = uint64_t(s.groups) * ceil_div(uint64_t(s.entry_dim), kCodebookTChunk);
-    l.threadgroups = {ceil_div(items, kCodebookMvSimdgroups), uint32_t(s.rows), 1};
-    l.threads = {kCodebookMvSimdgroups * kSimdWidth, 1, 1};
+    l.threadgroups = {ceil_div(items, threads / kSimdWidth), uint32_t(s.rows), 1};
+    l.threads = {threads, 1, 1};
     l.threadgroup_memory[0] = codebook_stage_bytes(plan.params);
     l.n_threadgroup_memory = 1;
   } else {
-    l.kernel = codebook_kernel(mm_names, s);
+    l.kernel = k.tiled;
     set_tiled_launch(l, s.in_features, s.rows, plan.params);
   }
   l.params_index = 5;
@@ -202,7 +234,8 @@ inline uint64_t codebook_partials_count(const CodebookPlan& partial_plan) {
 
 // grad_codebook pass 2, with the params of pass 1.
 inline CodebookPlan plan_codebook_dcodebook_reduce(const CodebookPlan& partial_plan,
-                                                   CodebookDtype dtype) {
+                                                   CodebookDtype dtype,
+                                                   uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookPlan plan;
   plan.params = partial_plan.params;
   static const char* const names[3] = {"codebook_dcodebook_reduce_f32",
@@ -211,15 +244,18 @@ inline CodebookPlan plan_codebook_dcodebook_reduce(const CodebookPlan& partial_p
   const CodebookParams& p = plan.params;
   Launch& l = plan.launch;
   l.kernel = codebook_kernel(names, dtype);
-  l.threadgroups = {ceil_div(uint64_t(p.num_codebooks) * p.num_entries * p.entry_dim, 256), 1, 1};
-  l.threads = {256, 1, 1};
+  const uint32_t threads = codebook_threads(256, max_threads);
+  l.threadgroups = {ceil_div(uint64_t(p.num_codebooks) * p.num_entries * p.entry_dim, threads), 1,
+                    1};
+  l.threads = {threads, 1, 1};
   l.params_index = 2;
   return plan;
 }
 
 // grad_scales / grad_bias; want_scales/want_bias select which are written.
 inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want_scales,
-                                               bool want_bias) {
+                                               bool want_bias,
+                                               uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookPlan plan;
   plan.params = codebook_params(s);
   plan.params.has_scales = want_scales;
@@ -228,8 +264,9 @@ inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want
                                        "codebook_dscale_dbias_bf16"};
   Launch& l = plan.launch;
   l.kernel = codebook_kernel(names, s.dtype);
-  l.threadgroups = {ceil_div(uint64_t(s.out_features), 256), 1, 1};
-  l.threads = {256, 1, 1};
+  const uint32_t threads = codebook_threads(256, max_threads);
+  l.threadgroups = {ceil_div(uint64_t(s.out_features), threads), 1, 1};
+  l.threads = {threads, 1, 1};
   l.params_index = 4;
   return plan;
 }
@@ -252,7 +289,8 @@ constexpr uint32_t kCodebookSortedChunk = 8;  // codebook_sorted.metal kChunk
 
 // The host first sorts the N*G*M keys m*E + code (M*E for a code >= E) stably and passes
 // them with their positions (j*G + g)*M + m, both as uint32.
-inline CodebookSortedPlan plan_codebook_dcodebook_sorted(const CodebookShape& s) {
+inline CodebookSortedPlan plan_codebook_dcodebook_sorted(
+    const CodebookShape& s, uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookSortedPlan plan;
   CodebookSortedParams& p = plan.params;
   p.rows = uint32_t(s.rows);
@@ -271,8 +309,9 @@ inline CodebookSortedPlan plan_codebook_dcodebook_sorted(const CodebookShape& s)
   l.kernel = codebook_kernel(names, s.dtype);
   const uint64_t items = uint64_t(s.num_codebooks) * s.num_entries *
                          ceil_div(uint64_t(s.entry_dim), kCodebookSortedChunk);
-  l.threadgroups = {ceil_div(items, 256), 1, 1};
-  l.threads = {256, 1, 1};
+  const uint32_t threads = codebook_threads(256, max_threads);
+  l.threadgroups = {ceil_div(items, threads), 1, 1};
+  l.threads = {threads, 1, 1};
   l.params_index = 6;
   return plan;
 }

@@ -100,6 +100,8 @@ inline const char* gdn_kernel_name(bool backward, GdnDtype t) {
   return (backward ? bwd : fwd)[int(t)];
 }
 
+constexpr const char* kGdnReduceKernel = "gated_delta_bwd_reduce";
+
 // Buffer slots of gated_delta_fwd.
 enum GdnForwardSlot : int {
   kFwdQ = 0, kFwdK, kFwdV, kFwdG, kFwdBeta, kFwdInitialState, kFwdCuSeqlens, kFwdO,
@@ -158,8 +160,11 @@ inline uint64_t gdn_backward_tg_floats(uint32_t nsg, uint32_t sub, uint32_t kp, 
 }
 
 // partial_budget: bytes of partial sums one window may use (at least one chunk's worth).
+// max_threads / max_reduce_threads: maxTotalThreadsPerThreadgroup of the gated_delta_bwd_*
+// and gated_delta_bwd_reduce pipelines (multiples of 32).
 inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads = 1024,
-                                         uint64_t partial_budget = kGdnPartialBudget) {
+                                         uint64_t partial_budget = kGdnPartialBudget,
+                                         uint32_t max_reduce_threads = 1024) {
   GdnBackwardPlan b;
   b.params = gdn_params(s);
   GdnParams& p = b.params;
@@ -182,7 +187,8 @@ inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads
   p.simdgroups = nsg;
   p.sub = sub;
   p.num_vblocks = ceil_div(uint64_t(s.head_v_dim), nsg);
-  p.reduce_simdgroups = kGdnReduceSimdgroups;
+  p.reduce_simdgroups =
+      std::max<uint32_t>(1, std::min<uint32_t>(kGdnReduceSimdgroups, max_reduce_threads / kSimdWidth));
 
   // Partial floats per row: dq + dk (K each), dg (K or 1), dbeta, for every (V-block, hv).
   const uint64_t per_row = uint64_t(p.num_vblocks) * s.num_v_heads *
@@ -214,9 +220,9 @@ inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads
   b.backward.n_threadgroup_memory = 1;
   b.backward.params_index = kBwdParams;
 
-  b.reduce.kernel = "gated_delta_bwd_reduce";
-  b.reduce.threads.x = kGdnReduceSimdgroups * kSimdWidth;
-  b.reduce.threadgroups = {ceil_div(rows, kGdnReduceSimdgroups), uint32_t(s.num_qk_heads), 1};
+  b.reduce.kernel = kGdnReduceKernel;
+  b.reduce.threads.x = p.reduce_simdgroups * kSimdWidth;
+  b.reduce.threadgroups = {ceil_div(rows, p.reduce_simdgroups), uint32_t(s.num_qk_heads), 1};
   b.reduce.params_index = kRedParams;
   if (s.num_seqs == 0) {
     b.num_windows = 0;

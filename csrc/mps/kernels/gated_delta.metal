@@ -62,7 +62,8 @@ inline void load_lane_rows(device const T* row, uint K, uint nk, uint lane, thre
   }
 }
 
-// Decay factors exp(g_t) for this lane's rows: one per key channel, or one per head.
+// Decay factors exp(g_t) for this lane's rows: one per key channel, or one per head. The
+// decay compounds over every token, so it is precise::exp whatever the library's math mode.
 inline void load_decay(constant GdnParams& p, device const float* g, ulong tok, uint hv,
                        uint lane, thread float* a) {
   const uint K = p.head_k_dim;
@@ -70,10 +71,10 @@ inline void load_decay(constant GdnParams& p, device const float* g, ulong tok, 
     device const float* row = g + (tok * p.num_v_heads + hv) * K;
     for (uint j = 0; j < kMaxKPerLane; ++j) {
       const uint r = lane + 32 * j;
-      a[j] = (j < p.k_per_lane && r < K) ? exp(row[r]) : 0.0f;
+      a[j] = (j < p.k_per_lane && r < K) ? precise::exp(row[r]) : 0.0f;
     }
   } else {
-    const float e = exp(g[tok * p.num_v_heads + hv]);
+    const float e = precise::exp(g[tok * p.num_v_heads + hv]);
     for (uint j = 0; j < kMaxKPerLane; ++j) a[j] = e;
   }
 }

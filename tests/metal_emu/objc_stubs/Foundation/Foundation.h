@@ -1,7 +1,9 @@
-// Stub of <Foundation/Foundation.h> for compile-checking the Metal host code on Linux
-// (clang -fsyntax-only -x objective-c++ -fobjc-runtime=gnustep-2.0). Declares exactly the API
-// rlx uses, transcribed from Apple's documentation (developer.apple.com/documentation/foundation).
-// A method missing here is an error (-Werror=objc-method-access), so a misspelt selector fails.
+// Stub of <Foundation/Foundation.h> for the Metal host code on Linux: the -fsyntax-only check
+// (clang -fobjc-runtime=gnustep-2.0) and the mock-runtime build (-fobjc-runtime=gcc, whose
+// implementations live in tests/metal_emu/mock/). Declares exactly the API rlx and the torch
+// MPS headers use, transcribed from Apple's documentation
+// (developer.apple.com/documentation/foundation). A method missing here is an error
+// (-Werror=objc-method-access), so a misspelt selector fails.
 #pragma once
 
 #include <stddef.h>
@@ -19,13 +21,18 @@ typedef signed char BOOL;
 #endif
 
 @class NSString;
+@class NSDictionary;
 
 @protocol NSObject
+- (instancetype)retain;
 - (oneway void)release;
+- (instancetype)autorelease;
 @end
 
 __attribute__((objc_root_class))
-@interface NSObject <NSObject>
+@interface NSObject <NSObject> {
+  Class isa;
+}
 + (instancetype)alloc;
 - (instancetype)init;
 @end

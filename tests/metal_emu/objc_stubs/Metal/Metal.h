@@ -1,11 +1,13 @@
-// Stub of <Metal/Metal.h> for compile-checking the Metal host code on Linux. Declares exactly
-// the API rlx uses, with the selectors and types of Apple's documentation
-// (developer.apple.com/documentation/metal): MTLDevice, MTLLibrary, MTLFunction,
-// MTLCompileOptions, MTLComputePipelineState, MTLBuffer, MTLCommandBuffer,
-// MTLComputeCommandEncoder, MTLSize.
+// Stub of <Metal/Metal.h> for the Metal host code on Linux (see Foundation.h). Declares exactly
+// the API rlx and the torch MPS headers use, with the selectors, types and enum values of
+// Apple's documentation (developer.apple.com/documentation/metal): MTLDevice, MTLLibrary,
+// MTLFunction, MTLCompileOptions, MTLComputePipelineState, MTLBuffer, MTLCommandQueue,
+// MTLCommandBuffer, MTLComputeCommandEncoder, MTLSharedEvent, MTLSize.
 #pragma once
 
 #include <Foundation/Foundation.h>
+
+#define RLX_STUB_MACOS(version) __attribute__((availability(macos, introduced = version)))
 
 typedef struct {
   NSUInteger width;
@@ -18,6 +20,25 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
   return s;
 }
 
+// MTLLanguageVersion: (major << 16) + minor.
+typedef enum : NSUInteger {
+  MTLLanguageVersion2_4 RLX_STUB_MACOS(12.0) = (2 << 16) + 4,
+  MTLLanguageVersion3_0 RLX_STUB_MACOS(13.0) = (3 << 16) + 0,
+  MTLLanguageVersion3_1 RLX_STUB_MACOS(14.0) = (3 << 16) + 1,
+  MTLLanguageVersion3_2 RLX_STUB_MACOS(15.0) = (3 << 16) + 2,
+} MTLLanguageVersion;
+
+typedef enum : NSInteger {
+  MTLMathModeSafe = 0,
+  MTLMathModeRelaxed = 1,
+  MTLMathModeFast = 2,
+} MTLMathMode RLX_STUB_MACOS(15.0);
+
+typedef enum : NSInteger {
+  MTLMathFloatingPointFunctionsFast = 0,
+  MTLMathFloatingPointFunctionsPrecise = 1,
+} MTLMathFloatingPointFunctions RLX_STUB_MACOS(15.0);
+
 @protocol MTLFunction <NSObject>
 @end
 
@@ -26,7 +47,12 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 @end
 
 @interface MTLCompileOptions : NSObject
-@property(readwrite, nonatomic) BOOL fastMathEnabled;  // deprecated in macOS 15 (mathMode)
+// Deprecated in macOS 15 in favour of mathMode and mathFloatingPointFunctions.
+@property(readwrite, nonatomic) BOOL fastMathEnabled;
+@property(readwrite, nonatomic) MTLLanguageVersion languageVersion;
+@property(readwrite, nonatomic) MTLMathMode mathMode RLX_STUB_MACOS(15.0);
+@property(readwrite, nonatomic)
+    MTLMathFloatingPointFunctions mathFloatingPointFunctions RLX_STUB_MACOS(15.0);
 @end
 
 @protocol MTLComputePipelineState <NSObject>
@@ -37,6 +63,11 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 @end
 
 @protocol MTLBuffer <MTLResource>
+- (void*)contents;
+@property(readonly) NSUInteger length;
+@end
+
+@protocol MTLSharedEvent <NSObject>
 @end
 
 @protocol MTLDevice <NSObject>
@@ -62,6 +93,16 @@ static inline MTLSize MTLSizeMake(NSUInteger width, NSUInteger height, NSUIntege
 
 @protocol MTLCommandBuffer <NSObject>
 - (id<MTLComputeCommandEncoder>)computeCommandEncoder;
+- (void)commit;
 @end
 
-id<MTLDevice> MTLCreateSystemDefaultDevice(void);
+typedef void (^MTLCommandBufferHandler)(id<MTLCommandBuffer>);
+
+@protocol MTLCommandQueue <NSObject>
+@end
+
+#ifdef __cplusplus
+extern "C"
+#endif
+    id<MTLDevice>
+    MTLCreateSystemDefaultDevice(void);
