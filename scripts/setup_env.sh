@@ -14,17 +14,17 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check \
   "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
-# AQLM checkpoints (rlx_torch.integrations.aqlm) and their tests; aqlm's CPU layer (numba) is
-# the tests' second reference. aqlm needs torch: the one installed above satisfies it.
-.venv/bin/pip install -q --disable-pip-version-check transformers==5.24.0 safetensors==0.8.0 "aqlm[cpu]==1.1.7"
+# transformers (rlx_torch.integrations, their tests, benchmarks/bench_transformers.py),
+# safetensors and aqlm (AQLM checkpoints; aqlm's CPU layer, with numba, is the tests' second
+# reference) and einops (fla's naive references, read from the fla-core wheel by
+# tests/test_compat_fla.py). aqlm needs torch: the one installed above satisfies it, and the
+# others do not depend on torch, so no other torch build can come in.
+.venv/bin/python -m pip install -q --disable-pip-version-check transformers==5.24.0 \
+  safetensors==0.8.0 "aqlm[cpu]==1.1.7" einops==0.8.2
 # In-place build (incremental); scripts/check_wheel.sh covers `pip install`/wheels.
 PYTHON=.venv/bin/python bash scripts/build_dev.sh
 # Put the source tree on the venv's path so benchmarks and examples import the in-place build.
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 pwd > "$SITE/rlx_torch_dev.pth"
-# transformers (tests/test_integrations_transformers.py, benchmarks/bench_transformers.py) and
-# einops (fla's naive references, read from the fla-core wheel by tests/test_compat_fla.py);
-# neither depends on torch, so no other torch build can come in.
-.venv/bin/python -m pip install -q --disable-pip-version-check transformers==5.24.0 einops==0.8.2
 .venv/bin/python -m pip download -q --disable-pip-version-check --no-deps fla-core==0.6.0 -d .cache/fla-core \
   || echo "fla-core wheel not available: tests/test_compat_fla.py will skip its comparisons with fla"
