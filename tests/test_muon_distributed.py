@@ -123,9 +123,9 @@ def train(rank, world, pg, tmp, resume):
 
 
 def check_errors(rank, pair):
-    """Mismatched params across ranks, and DTensor params, raise clear errors."""
+    """Mismatched params across ranks, and unsupported DTensor layouts, raise clear errors."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import Replicate, distribute_tensor
 
     errors = {}
     if rank < 2:
@@ -137,7 +137,7 @@ def check_errors(rank, pair):
         except RuntimeError as e:
             errors["mismatch"] = str(e)
     mesh = init_device_mesh("cpu", (MAX_WORLD,))
-    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)]))
+    p = nn.Parameter(distribute_tensor(torch.randn(8, 4), mesh, [Replicate()]))
     try:
         DistributedMuon([p])
     except ValueError as e:

@@ -14,8 +14,10 @@ process running `Muon` on the same gradients (with the same thread count), whate
 size. Optimizer state stays replicated, so any rank's `state_dict()` resumes a run of any
 world size, including a single process.
 
-Not supported: params sharded across ranks (FSDP2 `fully_shard`, tensor parallel: DTensor
-params), which raise a clear error.
+DTensor params sharded on a 1-D mesh (FSDP2 `fully_shard`) take the sharded path of
+`rlx_torch.optim.distributed_sharded` instead: shards gathered onto owners by all-to-all,
+state sharded like the params. Other DTensor layouts (2-D meshes, Replicate, Partial, strided
+shards) raise a clear error.
 """
 
 from __future__ import annotations
@@ -24,19 +26,11 @@ import heapq
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
 
+from .distributed_sharded import ShardedMesh, is_dtensor, plan_jobs, sharded_muon_step
 from .muon import Muon
 
-__all__ = ["DistributedMuon"]
-
-
-def _is_dtensor(p: Tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without DTensor
-        return False
-    return isinstance(p, DTensor)
+__all__ = ["DistributedMuon", "assign_owners"]
 
 
 def assign_owners(costs: list[float], world_size: int) -> list[int]:
@@ -56,17 +50,20 @@ def assign_owners(costs: list[float], world_size: int) -> list[int]:
 
 
 class DistributedMuon(Muon):
-    """`Muon` with Newton–Schulz split across the ranks of `process_group` (replicated params).
+    """`Muon` with Newton–Schulz split across ranks: replicated params (DDP) and params
+    sharded on a 1-D device mesh (FSDP2 `fully_shard`, DTensor `Shard(dim)`).
 
-    Takes `Muon`'s arguments, plus keyword-only `process_group` (default: the default group).
-    Every rank must build it with the same params and groups, and step with gradients on the
-    same params (as DDP gives); the first step checks that and raises otherwise.
-    `last_step_bytes` holds the bytes this rank received in the last step's broadcasts.
+    Takes `Muon`'s arguments, plus keyword-only `process_group` (default: the default group
+    for plain params; DTensor params use their mesh's group, and a `process_group` given with
+    other ranks is an error). Every rank must build it with the same params and groups, and
+    step with gradients on the same params (as DDP and FSDP2 give); the first step checks that
+    and raises otherwise. `last_step_bytes` holds the bytes this rank received from other
+    ranks in the last step.
 
     Example (in each process of an initialised group)::
 
-        model = torch.nn.parallel.DistributedDataParallel(model)
-        opt = DistributedMuon(muon_param_groups(model.module), lr=0.02)
+        model = torch.nn.parallel.DistributedDataParallel(model)    # or: fully_shard(model)
+        opt = DistributedMuon(muon_param_groups(model.module), lr=0.02)   # (model, for FSDP2)
         loss.backward(); opt.step()
     """
 
@@ -74,34 +71,50 @@ class DistributedMuon(Muon):
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedMuon needs an initialised torch.distributed process "
                                "group (torch.distributed.init_process_group)")
+        self._requested_group = process_group
         self.process_group = process_group or dist.group.WORLD
+        self.mesh: ShardedMesh | None = None
         self.last_step_bytes = 0
         self._checked = False
         super().__init__(params, *args, **kwargs)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
+        index = len(self.param_groups) - 1
         for i, p in enumerate(self.param_groups[-1]["params"]):
-            if _is_dtensor(p):
-                raise ValueError(
-                    f"param {i} of group {len(self.param_groups) - 1} is a DTensor (FSDP2 "
-                    "fully_shard or tensor parallel): DistributedMuon supports replicated "
-                    "params only (DDP); Newton–Schulz needs each matrix whole"
-                )
+            if is_dtensor(p):
+                what = f"param {i} of group {index}"
+                if self.mesh is None:
+                    self.mesh = ShardedMesh(p, what, self._requested_group)
+                self.mesh.check(p, what)
         self._checked = False
 
-    def _check_same_everywhere(self, signature: list) -> None:
-        world = dist.get_world_size(self.process_group)
+    def _check_same_everywhere(self, signature: list, group) -> None:
+        world = dist.get_world_size(group)
         gathered: list = [None] * world
-        dist.all_gather_object(gathered, signature, group=self.process_group)
+        dist.all_gather_object(gathered, signature, group=group)
         for rank, other in enumerate(gathered):
             if other != signature:
                 raise RuntimeError(
                     "DistributedMuon: the ranks disagree on the params to orthogonalize "
-                    f"(rank {dist.get_rank(self.process_group)} has {len(signature)} batches, "
+                    f"(rank {dist.get_rank(group)} has {len(signature)} batches, "
                     f"rank {rank} {len(other)}, or their shapes differ): every rank must hold "
                     "the same param groups and gradients on the same params"
                 )
+
+    def _sharded_params_with_grad(self, group: dict, params: list) -> list:
+        out = list(self._params_with_grad(dict(group, params=params)))
+        for p in out:
+            g = p.grad
+            if not is_dtensor(g) or g.device_mesh != p.device_mesh or g.placements != p.placements:
+                layout = (f"a DTensor with placements {g.placements}" if is_dtensor(g)
+                          else "a plain tensor")
+                raise RuntimeError(
+                    f"DistributedMuon: the gradient of a DTensor param with placements "
+                    f"{p.placements} is {layout}: it must be sharded like its param (as FSDP2 "
+                    "gives it, reduced)"
+                )
+        return out
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -110,18 +123,47 @@ class DistributedMuon(Muon):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        jobs = []
+        jobs, sharded, has_plain_muon = [], [], False
         for group in self.param_groups:
+            plain = [p for p in group["params"] if not is_dtensor(p)]
+            shards = [p for p in group["params"] if is_dtensor(p)]
             if group["use_muon"]:
-                jobs.extend(self._muon_jobs(group))
-            else:
-                self._adamw_step(group)
+                has_plain_muon |= bool(plain)
+                jobs.extend(self._muon_jobs(dict(group, params=plain)))
+                if shards:
+                    sharded.extend(plan_jobs(self, group, self._sharded_params_with_grad(
+                        group, shards), self.mesh))
+            else:  # AdamW: plain tensors and DTensors (elementwise, on the shards) apart
+                if plain:
+                    self._adamw_step(dict(group, params=plain))
+                if shards:
+                    self._adamw_step(dict(group, params=self._sharded_params_with_grad(
+                        group, shards)))
+        if not self._checked:
+            if has_plain_muon:
+                self._check_same_everywhere(
+                    [(tuple(job.X.shape), str(job.ns_dtype)) for job in jobs], self.process_group)
+            if self.mesh is not None:
+                self._check_same_everywhere(
+                    [(sum(j.counts), j.rows, j.cols, str(j.ns_dtype)) for j in sharded],
+                    self.mesh.group)
+            self._checked = True
+        handles, results, received = self._launch_replicated(jobs)
+        if sharded:
+            owners = assign_owners([job.cost for job in sharded], self.mesh.world)
+            received += sharded_muon_step(sharded, self.mesh, owners)
+        for handle in handles:
+            handle.wait()
+        for job, ortho in zip(jobs, results, strict=True):
+            job.apply(ortho)
+        self.last_step_bytes = received
+        return loss
+
+    def _launch_replicated(self, jobs: list) -> tuple[list, list, int]:
+        """Orthogonalizes the replicated batches this rank owns and starts the broadcasts
+        that share every result; returns (handles, results, bytes to receive)."""
         group_ranks = dist.get_world_size(self.process_group)
         me = dist.get_rank(self.process_group)
-        if not self._checked:
-            signature = [(tuple(job.X.shape), str(job.ns_dtype)) for job in jobs]
-            self._check_same_everywhere(signature)
-            self._checked = True
         costs = [float(job.X.numel() * min(job.X.shape[-2:])) for job in jobs]
         owners = assign_owners(costs, group_ranks)
         results, handles, received = [], [], 0
@@ -135,9 +177,4 @@ class DistributedMuon(Muon):
                 handles.append(dist.broadcast(ortho, group_src=owner, group=self.process_group,
                                               async_op=True))
             results.append(ortho)
-        for handle in handles:
-            handle.wait()
-        for job, ortho in zip(jobs, results, strict=True):
-            job.apply(ortho)
-        self.last_step_bytes = received
-        return loss
+        return handles, results, received
