@@ -174,6 +174,30 @@ def resume(rank, world, mesh, tmp):
     return dict(params=full(model), momentum=momentum(model, opt))
 
 
+LAYOUTS = [((7, 5), 1), ((3, 6, 5), 0), ((3, 6, 5), 2), ((9, 4), 1), ((9, 4), 0), ((2, 9), 0)]
+
+
+def other_layouts(mesh, dtype):
+    """Plain DTensors sharded on other dims (columns, the expert dim of a 3-D param, the
+    matrix dims of one), against one process; float64 takes the op-by-op path."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    gen = torch.Generator().manual_seed(7)
+    fulls = [torch.randn(shape, generator=gen, dtype=dtype) for shape, _ in LAYOUTS]
+    params = [nn.Parameter(distribute_tensor(f, mesh, [Shard(dim)]))
+              for f, (_, dim) in zip(fulls, LAYOUTS, strict=True)]
+    refs = [nn.Parameter(f.clone()) for f in fulls]
+    opt = DistributedMuon(params, lr=0.05, weight_decay=0.1)
+    ref_opt = Muon(refs, lr=0.05, weight_decay=0.1)
+    for _ in range(3):
+        for p, r in zip(params, refs, strict=True):
+            r.grad = torch.randn(r.shape, generator=gen, dtype=dtype)
+            p.grad = distribute_tensor(r.grad, mesh, p.placements)
+        opt.step()
+        ref_opt.step()
+    return [(p.full_tensor(), r.detach()) for p, r in zip(params, refs, strict=True)]
+
+
 def capture(errors, name, exc_type, fn):
     try:
         fn()
@@ -228,6 +252,9 @@ def _worker(rank, tmp):
             if rank < world:
                 mesh = DeviceMesh.from_group(groups[world], "cpu")
                 out["train"][world] = train(rank, world, mesh, tmp)
+                if world in (3, 4):
+                    out["train"][world]["layouts_fp32"] = other_layouts(mesh, torch.float32)
+                    out["train"][world]["layouts_fp64"] = other_layouts(mesh, torch.float64)
             dist.barrier()
         for world in (2, 4):
             if rank < world:
@@ -262,6 +289,15 @@ def test_bitwise_equal_to_one_process_after_10_steps(runs, world):
         # The run moved: the comparison is not between two untouched models.
         assert not torch.equal(out["params"]["blocks.0.qkv.weight"],
                                TinyGPT().blocks[0].qkv.weight.detach())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp64"])
+@pytest.mark.parametrize("world", [3, 4])
+def test_other_shard_dims_and_3d_params_equal_one_process(runs, world, dtype):
+    for rank in range(world):
+        for (shape, dim), (got, want) in zip(LAYOUTS, runs[rank]["train"][world][
+                f"layouts_{dtype}"], strict=True):
+            assert torch.equal(got, want), f"world {world}, {shape} Shard({dim}), {dtype}"
 
 
 @pytest.mark.parametrize("world", WORLDS)
