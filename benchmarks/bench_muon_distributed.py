@@ -1,13 +1,19 @@
 """Distributed Muon step time and bytes per step, at world sizes 1-4 (CPU, gloo), side by side.
 
 Contenders, each on every rank of one spawned group, stepping the same GPT-like params
-(per layer 4 x [d, d], [4d, d], [d, 4d], [4d, d]) with the same grads:
-- torch.optim.Muon on every rank (replicated: every rank orthogonalizes every matrix);
-- all-gather then redundant NS (Moonlight's scheme for sharded grads): each rank holds 1/world
-  of every gradient, all-gathers them, and runs rlx Muon on all matrices;
+(per layer 4 x [d, d], [4d, d], [d, 4d], [4d, d]) with the same grads.
+Replicated params (DDP):
+- torch.optim.Muon on every rank (every rank orthogonalizes every matrix);
 - rlx DistributedMuon: each rank orthogonalizes the batches it owns, results broadcast.
+Sharded params (FSDP2: each rank holds 1/world of every param and gradient):
+- torch.optim.Muon after all-gather: every rank all-gathers every gradient (one all-gather per
+  param) and runs torch.optim.Muon on all matrices;
+- all-gather then redundant NS (Moonlight's scheme): the same with rlx Muon;
+- rlx DistributedMuon on DTensor shards (Shard(0) on a 1-D mesh, as fully_shard leaves them):
+  one all-to-all per round gathers whole matrices onto owners, one sends the results back.
 The step time is the slowest rank's (a barrier closes each step), median of the rounds; bytes
-are those each rank receives per step. Prints a table, the scaling and one JSON line.
+are those a rank receives per step (mean and max over the ranks). Prints a table, the
+scaling and one JSON line.
 
     python benchmarks/bench_muon_distributed.py --worlds 1,2,3,4 --d 128 --layers 4
 """
@@ -41,9 +47,9 @@ def gpt_params(d: int, layers: int) -> list[torch.nn.Parameter]:
 
 
 class AllGatherThenMuon:
-    """Grads sharded by rows across ranks: all-gather them, then every rank runs all NS."""
+    """Grads sharded across ranks: all-gather them, then every rank runs all NS (`optimizer`)."""
 
-    def __init__(self, params, world: int, **settings):
+    def __init__(self, params, world: int, optimizer=Muon, **settings):
         self.params, self.world = params, world
         rank = dist.get_rank()
         self.sizes = [-(-p.numel() // world) for p in params]  # padded equal shards
@@ -51,7 +57,7 @@ class AllGatherThenMuon:
         for p, size in zip(params, self.sizes, strict=True):
             flat = torch.nn.functional.pad(p.grad.flatten(), (0, size * world - p.numel()))
             self.shards.append(flat[rank * size:(rank + 1) * size].clone())
-        self.opt = Muon(params, **settings)
+        self.opt = optimizer(params, **settings)
         self.last_step_bytes = 0
 
     def step(self):
@@ -65,17 +71,39 @@ class AllGatherThenMuon:
         self.opt.step()
 
 
+def sharded_params(d: int, layers: int, mesh) -> list[torch.nn.Parameter]:
+    """`gpt_params` as FSDP2 leaves them: DTensor params and grads, Shard(0) on `mesh`."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    params = []
+    for p in gpt_params(d, layers):
+        shard = torch.nn.Parameter(distribute_tensor(p.detach(), mesh, [Shard(0)]))
+        shard.grad = distribute_tensor(p.grad, mesh, [Shard(0)])
+        params.append(shard)
+    return params
+
+
 def _worker(rank, world, tmp, d, layers, rounds, steps, threads, queue):
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rv_{world}", rank=rank,
                             world_size=world)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
     settings = dict(lr=0.02, weight_decay=0.1, momentum=0.95)
     contenders = {
-        "torch.optim.Muon (every rank)": lambda ps: torch.optim.Muon(ps, **settings),
-        "all-gather + redundant NS": lambda ps: AllGatherThenMuon(ps, world, **settings),
-        "rlx DistributedMuon": lambda ps: DistributedMuon(ps, **settings),
+        "replicated: torch.optim.Muon (every rank)": lambda: torch.optim.Muon(
+            gpt_params(d, layers), **settings),
+        "replicated: rlx DistributedMuon": lambda: DistributedMuon(
+            gpt_params(d, layers), **settings),
+        "sharded: all-gather + torch.optim.Muon": lambda: AllGatherThenMuon(
+            gpt_params(d, layers), world, torch.optim.Muon, **settings),
+        "sharded: all-gather + redundant NS": lambda: AllGatherThenMuon(
+            gpt_params(d, layers), world, **settings),
+        "sharded: rlx DistributedMuon (DTensor)": lambda: DistributedMuon(
+            sharded_params(d, layers, mesh), **settings),
     }
-    opts = {name: make(gpt_params(d, layers)) for name, make in contenders.items()}
+    opts = {name: make() for name, make in contenders.items()}
     times = {name: [] for name in opts}
     for opt in opts.values():  # warm-up
         opt.step()
@@ -87,9 +115,15 @@ def _worker(rank, world, tmp, d, layers, rounds, steps, threads, queue):
                 opt.step()
             dist.barrier()
             times[name].append((time.perf_counter() - start) / steps)
+    received = {}
+    for name, opt in opts.items():  # bytes each rank received in its last step
+        gathered = [None] * world
+        dist.all_gather_object(gathered, getattr(opt, "last_step_bytes", 0))
+        received[name] = gathered
     if rank == 0:
         queue.put({name: dict(ms=statistics.median(t) * 1e3,
-                              bytes=getattr(opts[name], "last_step_bytes", 0))
+                              bytes=statistics.mean(received[name]),
+                              bytes_max=max(received[name]))
                    for name, t in times.items()})
     dist.barrier()
     dist.destroy_process_group()
@@ -119,8 +153,14 @@ def main() -> None:
         print(f"\nworld size {world}")
         for name, r in results[world].items():
             base = results[min(results)][name]["ms"]
-            print(f"  {name:<32} {r['ms']:9.2f} ms/step  {r['bytes'] / 2**20:8.2f} MiB in/rank"
-                  f"  {base / r['ms']:5.2f}x vs world {min(results)}")
+            print(f"  {name:<42} {r['ms']:9.2f} ms/step  {r['bytes'] / 2**20:8.2f} MiB in/rank"
+                  f" (max {r['bytes_max'] / 2**20:6.2f})  {base / r['ms']:5.2f}x vs world "
+                  f"{min(results)}")
+        ours = results[world]["sharded: rlx DistributedMuon (DTensor)"]["ms"]
+        for name in ("sharded: all-gather + torch.optim.Muon",
+                     "sharded: all-gather + redundant NS"):
+            print(f"  {name[9:]} / sharded rlx DistributedMuon: "
+                  f"{results[world][name]['ms'] / ours:5.2f}x (> 1: rlx faster)")
     print(json.dumps(dict(bench="muon_distributed", cpu=cpu_features().summary(),
                           torch=torch.__version__, d=args.d, layers=args.layers,
                           threads_per_rank=args.threads,
