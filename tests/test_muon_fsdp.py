@@ -356,3 +356,47 @@ def test_unsupported_layouts_raise_clear_errors(runs, name, needle):
     ranks = range(2) if name == "meshes" else range(MAX_WORLD)
     for rank in ranks:
         assert needle in runs[rank]["errors"].get(name, ""), (rank, runs[rank]["errors"])
+
+
+def _cuda_worker(rank, world, tmp, queue):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{tmp}/rendezvous", rank=rank,
+                            world_size=world)
+    try:
+        mesh = init_device_mesh("cuda", (world,))
+        gen = torch.Generator().manual_seed(0)
+        shapes = [(48, 32), (48, 32), (32, 96), (5, 32)]
+        params = [nn.Parameter(distribute_tensor(torch.randn(s, generator=gen).cuda(), mesh,
+                                                 [Shard(0)])) for s in shapes]
+        bias = nn.Parameter(distribute_tensor(torch.zeros(48).cuda(), mesh, [Shard(0)]))
+        opt = DistributedMuon([dict(params=params), dict(params=[bias], use_muon=False)],
+                              lr=0.02, weight_decay=0.01)
+        for p in [*params, bias]:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen).cuda(), mesh,
+                                       [Shard(0)])
+        opt.step()  # the first step checks the ranks agree (all_gather_object): a sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(3):
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        finite = all(bool(torch.isfinite(p.full_tensor()).all()) for p in [*params, bias])
+        if rank == 0:
+            queue.put(finite)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not dist.is_nccl_available(),
+                    reason="needs CUDA and NCCL")
+def test_sharded_step_makes_no_host_device_sync_on_cuda():
+    world = min(2, torch.cuda.device_count())
+    queue = mp.get_context("spawn").SimpleQueue()
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_cuda_worker, args=(world, tmp, queue), nprocs=world, join=True)
+    assert queue.get()

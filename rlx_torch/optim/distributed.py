@@ -1,12 +1,14 @@
-"""Muon across the processes of a torch.distributed group, for replicated params (DDP).
+"""Muon across the processes of a torch.distributed group: replicated params (DDP) and
+sharded ones (FSDP2, DTensor).
 
-Every rank holds every param and the same (all-reduced) gradients. Each step, every rank
-updates all momentum buffers and builds every batch's Newton–Schulz input (elementwise, cheap),
-but orthogonalizes only the batches it owns; each result is broadcast from its owner, and
-every rank applies every update. Ownership is cost-balanced: batches (same-shape matrices,
-as in `Muon`) go, largest Newton–Schulz cost first, to the least-loaded rank. All ranks issue
-the broadcasts in one order, asynchronously, so a rank's own Newton–Schulz overlaps the
-transfers of the others' results. The AdamW side runs locally on every rank.
+Replicated params: every rank holds every param and the same (all-reduced) gradients. Each
+step, every rank updates all momentum buffers and builds every batch's Newton–Schulz input
+(elementwise, cheap), but orthogonalizes only the batches it owns; each result is broadcast
+from its owner, and every rank applies every update. Ownership is cost-balanced: batches
+(same-shape matrices, as in `Muon`) go, largest Newton–Schulz cost first, to the
+least-loaded rank. All ranks issue the broadcasts in one order, asynchronously, so a rank's
+own Newton–Schulz overlaps the transfers of the others' results. The AdamW side runs
+locally on every rank.
 
 Because each batch goes through the same operations as in `Muon` and the owner's result is
 copied bit for bit, params and state after any number of steps are bitwise those of a single
