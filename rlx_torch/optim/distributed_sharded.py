@@ -47,7 +47,7 @@ from .newton_schulz import newton_schulz, resolve_schedule
 
 __all__ = ["ShardedMesh", "is_dtensor", "plan_jobs", "sharded_muon_step"]
 
-_ALIGN = 16  # byte alignment of each piece in a packed buffer (so it can be viewed as any dtype)
+_ALIGN = 16  # byte alignment of each segment in a packed buffer (viewable as any dtype)
 
 
 def is_dtensor(t: Tensor) -> bool:
@@ -96,6 +96,7 @@ class ShardedMesh:
         mesh_ranks = [int(r) for r in self.mesh.mesh.flatten().tolist()]  # a CPU tensor
         group_ranks = dist.get_process_group_ranks(self.group)
         self.coords = [mesh_ranks.index(r) for r in group_ranks]
+        self._shapes: dict[tuple, list[tuple[int, ...]]] = {}
         if process_group is not None:
             theirs = dist.get_process_group_ranks(process_group)
             if sorted(theirs) != sorted(group_ranks):
@@ -113,6 +114,22 @@ class ShardedMesh:
                 "DTensor params of one optimizer must share one mesh"
             )
 
+    def shapes_of(self, p: Tensor, dim: int) -> list[tuple[int, ...]]:
+        """`shard_shapes` of a param, checked once against its actual local shard."""
+        key = (id(p), tuple(p.shape), dim)
+        shapes = self._shapes.get(key)
+        if shapes is None:
+            shapes = self.shard_shapes(p.shape, dim)
+            local = tuple(p._local_tensor.shape)
+            if local != shapes[self.rank]:
+                raise RuntimeError(
+                    f"DistributedMuon: a DTensor param of shape {tuple(p.shape)} with "
+                    f"placements {p.placements} has a local shard of shape {local} on group "
+                    f"rank {self.rank}, not the {shapes[self.rank]} of torch.chunk's split: "
+                    "unsupported layout")
+            self._shapes[key] = shapes
+        return shapes
+
     def shard_shapes(self, shape: torch.Size, dim: int) -> list[tuple[int, ...]]:
         """Local shape of each group rank's shard (torch.chunk's split, as DTensor's Shard)."""
         size = shape[dim]
@@ -126,17 +143,8 @@ class ShardedMesh:
         return shapes
 
 
-def _offsets(sizes: list[int]) -> tuple[list[int], int]:
-    """Aligned byte offsets of pieces of `sizes` bytes packed one after another, and the total."""
-    offsets, total = [], 0
-    for size in sizes:
-        offsets.append(total)
-        total += -(-size // _ALIGN) * _ALIGN
-    return offsets, total
-
-
-def _nbytes(shape, dtype: torch.dtype) -> int:
-    return int(torch.Size(shape).numel()) * dtype.itemsize
+def _numel(shape) -> int:
+    return int(torch.Size(shape).numel())
 
 
 @dataclass
@@ -146,7 +154,7 @@ class _Job:
     params: list[Tensor]
     dims: list[int]  # the shard dim of each param
     shapes: list[list[tuple[int, ...]]]  # [param][group rank] -> shard shape
-    u: list[Tensor]  # this rank's shards of the Newton–Schulz input (param dtype)
+    u: Tensor  # this rank's shards of the NS input, flattened one after another (param dtype)
     rows: int
     cols: int
     counts: list[int]
@@ -156,38 +164,45 @@ class _Job:
     cost: float
     owner: int = 0
 
-    def piece_bytes(self, rank: int, dtype: torch.dtype) -> list[int]:
-        return [_nbytes(shapes[rank], dtype) for shapes in self.shapes]
+    def numels(self, rank: int) -> list[int]:
+        """The element counts of `rank`'s shards of the job's params."""
+        return [_numel(shapes[rank]) for shapes in self.shapes]
 
 
 def _local(t: Tensor) -> Tensor:
-    return t.to_local()
+    # The local shard itself (what `to_local()` returns under no_grad, without its autograd
+    # Function call, which dominated small steps).
+    return t._local_tensor
 
 
-def _shard_inputs(opt, group: dict, params: list[Tensor], fused: bool) -> list[Tensor]:
-    """Updates this rank's momentum shards and returns its shards of the NS input."""
+def _shard_inputs(opt, group: dict, params: list[Tensor], fused: bool) -> Tensor:
+    """Updates this rank's momentum shards and returns its shards of the NS input, flat and
+    one after another."""
     momentum, nesterov = group["momentum"], group["nesterov"]
     grads = [_local(p.grad) for p in params]
     bufs = [_local(opt.state[p]["momentum_buffer"]) for p in params]
     if not fused:
         torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
-        return [torch.lerp(g, b, momentum) if nesterov else b for g, b in zip(grads, bufs,
-                                                                              strict=True)]
+        return torch.cat([(torch.lerp(g, b, momentum) if nesterov else b).reshape(-1)
+                          for g, b in zip(grads, bufs, strict=True)])
+    # The fused kernel on the shards, each seen as one 1 x n matrix, with the normaliser
+    # pinned at max(0 * norm, 1) = 1: it updates the buffers with its own lerp and returns
+    # the look-ahead u * 1.0f, that is u exactly.
+    n = grads[0].numel()
+    if n > 0 and all(g.numel() == n and g.is_contiguous() and b.is_contiguous()
+                     for g, b in zip(grads, bufs, strict=True)):
+        return torch.ops.rlx.muon_ns_input(grads, bufs, 1, n, momentum, nesterov, 1.0, 0.0,
+                                           torch.float32).view(-1)
     out = []
     for g, b in zip(grads, bufs, strict=True):
         if g.numel() == 0:
-            out.append(g.new_empty(g.shape))
             continue
         gc, bc = g.contiguous(), b.contiguous()
-        # The fused kernel on the shard as one 1 x n matrix, with the normaliser pinned at
-        # max(0 * norm, 1) = 1: it updates the buffer with its own lerp and returns the
-        # look-ahead u * 1.0f, that is u exactly.
-        u = torch.ops.rlx.muon_ns_input([gc], [bc], 1, gc.numel(), momentum, nesterov, 1.0,
-                                        0.0, torch.float32)
+        out.append(torch.ops.rlx.muon_ns_input([gc], [bc], 1, gc.numel(), momentum, nesterov,
+                                               1.0, 0.0, torch.float32).view(-1))
         if bc is not b:
             b.copy_(bc)
-        out.append(u.view(g.shape))
-    return out
+    return torch.cat(out) if out else grads[0].new_empty(0)
 
 
 def _fused(p: Tensor, lr, ns_dtype: torch.dtype) -> bool:
@@ -215,19 +230,12 @@ def plan_jobs(opt, group: dict, params: list[Tensor], layout: ShardedMesh) -> li
             ns_dtype = group["ns_dtype"] or default_ns_dtype(device, dtype)
             fused = _fused(chunk[0], lr, ns_dtype)
             dims = [_shard_dim(p, "param") for p in chunk]
-            counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in chunk]
             numel = sum(p.numel() for p in chunk)
-            shapes = [layout.shard_shapes(p.shape, d) for p, d in zip(chunk, dims, strict=True)]
-            for p, s in zip(chunk, shapes, strict=True):
-                if tuple(_local(p).shape) != s[layout.rank]:
-                    raise RuntimeError(
-                        f"DistributedMuon: a DTensor param of shape {tuple(p.shape)} with "
-                        f"placements {p.placements} has a local shard of shape "
-                        f"{tuple(_local(p).shape)} on group rank {layout.rank}, not the "
-                        f"{s[layout.rank]} of torch.chunk's split: unsupported layout")
             jobs.append(_Job(
-                params=chunk, dims=dims, shapes=shapes,
-                u=_shard_inputs(opt, group, chunk, fused), rows=rows, cols=cols, counts=counts,
+                params=chunk, dims=dims, shapes=[layout.shapes_of(p, d) for p, d in
+                                                 zip(chunk, dims, strict=True)],
+                u=_shard_inputs(opt, group, chunk, fused), rows=rows, cols=cols,
+                counts=[matrix_view(p.shape, group["nd_mode"])[0] for p in chunk],
                 fused=fused, ns_dtype=ns_dtype, group=group, cost=float(numel * min(rows, cols))))
     return jobs
 
@@ -242,50 +250,53 @@ def _rounds(jobs: list[_Job], world: int) -> list[dict[int, _Job]]:
 
 
 class _Exchange:
-    """One all_to_all_single of byte buffers: `send[o]` / `recv[s]` are lists of pieces."""
+    """One all_to_all_single: `send[o]` (pieces of one dtype) goes to rank o, and from each
+    rank s arrive `recv[s] = (numel, dtype)`, read back with `segment(s)`. Segments are
+    packed into byte buffers at 16-byte-aligned offsets, so each can be viewed in its dtype."""
 
     def __init__(self, layout: ShardedMesh, send: list[list[Tensor]],
-                 recv_bytes: list[list[int]], device: torch.device) -> None:
-        self.layout = layout
-        world = layout.world
-        send_sizes, self.recv_views, recv_sizes = [], [], []
-        send_offsets = []
-        for pieces in send:
-            offsets, total = _offsets([t.numel() * t.element_size() for t in pieces])
-            send_offsets.append(offsets)
-            send_sizes.append(total)
-        recv_offsets = []
-        for sizes in recv_bytes:
-            offsets, total = _offsets(sizes)
-            recv_offsets.append(offsets)
-            recv_sizes.append(total)
-        send_buf = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
-        self.recv_buf = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
-        base = 0
-        for o in range(world):
-            for t, off in zip(send[o], send_offsets[o], strict=True):
-                n = t.numel() * t.element_size()
-                send_buf[base + off:base + off + n].view(t.dtype).view(t.shape).copy_(t)
-            base += send_sizes[o]
-        self.recv_offsets, self.recv_sizes = recv_offsets, recv_sizes
-        self.received = sum(s for r, s in enumerate(recv_sizes) if r != layout.rank)
-        self._send_buf = send_buf
+                 recv: list[tuple[int, torch.dtype]], device: torch.device) -> None:
+        self.recv = recv
         self.handle = None
-        if world > 1:
-            self.handle = dist.all_to_all_single(self.recv_buf, send_buf, recv_sizes, send_sizes,
-                                                 group=layout.group, async_op=True)
-        else:
-            self.recv_buf.copy_(send_buf)
+        self._local: Tensor | None = None
+        if layout.world == 1:  # nothing to move: keep the one segment as it is
+            self._local = torch.cat([t.reshape(-1) for t in send[0]]) if len(send[0]) != 1 \
+                else send[0][0].reshape(-1)
+            self.received = 0
+            return
+        send_sizes = [_aligned(sum(t.numel() for t in pieces) * pieces[0].element_size())
+                      if pieces else 0 for pieces in send]
+        self.recv_sizes = [_aligned(n * dtype.itemsize) for n, dtype in recv]
+        send_buf = torch.empty(sum(send_sizes), dtype=torch.uint8, device=device)
+        self.recv_buf = torch.empty(sum(self.recv_sizes), dtype=torch.uint8, device=device)
+        start = 0
+        for pieces, size in zip(send, send_sizes, strict=True):
+            if pieces:
+                n = sum(t.numel() for t in pieces)
+                segment = send_buf[start:start + n * pieces[0].element_size()]
+                torch.cat([t.reshape(-1) for t in pieces], out=segment.view(pieces[0].dtype))
+            start += size
+        self.received = sum(s for r, s in enumerate(self.recv_sizes) if r != layout.rank)
+        self._send_buf = send_buf  # kept alive until the transfer is done
+        self.handle = dist.all_to_all_single(self.recv_buf, send_buf, self.recv_sizes,
+                                             send_sizes, group=layout.group, async_op=True)
 
     def wait(self) -> None:
         if self.handle is not None:
             self.handle.wait()
             self.handle = None
-        self._send_buf = None
+            self._send_buf = None
 
-    def piece(self, source: int, index: int, shape, dtype: torch.dtype) -> Tensor:
-        start = sum(self.recv_sizes[:source]) + self.recv_offsets[source][index]
-        return self.recv_buf[start:start + _nbytes(shape, dtype)].view(dtype).view(shape)
+    def segment(self, source: int) -> Tensor:
+        numel, dtype = self.recv[source]
+        if self._local is not None:
+            return self._local
+        start = sum(self.recv_sizes[:source])
+        return self.recv_buf[start:start + numel * dtype.itemsize].view(dtype)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _orthogonalize(job: _Job, gather: _Exchange, world: int) -> Tensor:
@@ -293,10 +304,11 @@ def _orthogonalize(job: _Job, gather: _Exchange, world: int) -> Tensor:
     orthogonalized as `Muon` does it. Returns `[sum(counts), rows, cols]` in ns_dtype."""
     group = job.group
     p0 = job.params[0]
+    pieces = [gather.segment(s).split(job.numels(s)) for s in range(world)]
     U = torch.empty((sum(job.counts), job.rows, job.cols), dtype=p0.dtype, device=p0.device)
     for k, (whole, p) in enumerate(zip(U.split(job.counts), job.params, strict=True)):
-        pieces = [gather.piece(s, k, job.shapes[k][s], p.dtype) for s in range(world)]
-        torch.cat(pieces, dim=job.dims[k], out=whole.view(p.shape))
+        torch.cat([pieces[s][k].view(job.shapes[k][s]) for s in range(world)],
+                  dim=job.dims[k], out=whole.view(p.shape))
     schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
     if job.fused:
         # The fused kernel with g = buf = u (nesterov off): lerp(u, u, w) = u, so it returns
@@ -307,22 +319,29 @@ def _orthogonalize(job: _Job, gather: _Exchange, world: int) -> Tensor:
     return newton_schulz(U, schedule, group["eps"], job.ns_dtype).contiguous()
 
 
-def _apply(job: _Job, ortho_shards: list[Tensor]) -> None:
+def _apply(job: _Job, ortho: Tensor, rank: int) -> None:
+    """Applies this rank's shards of the update; `ortho` holds them flat, one after another."""
     group = job.group
     lr = _host_scalar(group["lr"])
     scale = lr_scale(group["adjust_lr_fn"], job.rows, job.cols)
-    for p, o in zip(job.params, ortho_shards, strict=True):
-        local = _local(p)
+    numels = job.numels(rank)
+    locals_ = [_local(p) for p in job.params]
+    if job.fused and numels[0] > 0 and all(n == numels[0] and t.is_contiguous()
+                                           for n, t in zip(numels, locals_, strict=True)):
+        torch.ops.rlx.muon_apply_(locals_, ortho.view(len(numels), 1, numels[0]), lr,
+                                  group["weight_decay"], scale)
+        return
+    for local, o in zip(locals_, ortho.split(numels), strict=True):
         if local.numel() == 0:
             continue
         if job.fused:
             target = local.contiguous()
-            torch.ops.rlx.muon_apply_([target], o.reshape(1, 1, -1), lr, group["weight_decay"],
+            torch.ops.rlx.muon_apply_([target], o.view(1, 1, -1), lr, group["weight_decay"],
                                       scale)
             if target is not local:
                 local.copy_(target)
         else:
-            _apply_update([local], o.reshape(1, -1), [1], lr, group["weight_decay"], scale)
+            _apply_update([local], o.view(1, -1), [1], lr, group["weight_decay"], scale)
 
 
 def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) -> int:
@@ -333,12 +352,13 @@ def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) 
     for job, owner in zip(jobs, owners, strict=True):
         job.owner = owner
     rounds = _rounds(jobs, world)
+    device = jobs[0].params[0].device if jobs else None
     gathers = []
     for rnd in rounds:
-        send = [rnd[o].u if o in rnd else [] for o in range(world)]
         mine = rnd.get(me)
-        recv = [mine.piece_bytes(s, mine.params[0].dtype) if mine else [] for s in range(world)]
-        device = jobs[0].params[0].device
+        send = [[rnd[o].u] if o in rnd else [] for o in range(world)]
+        recv = [(sum(mine.numels(s)), mine.params[0].dtype) if mine else (0, torch.uint8)
+                for s in range(world)]
         gathers.append(_Exchange(layout, send, recv, device))
     scatters = []
     for rnd, gather in zip(rounds, gathers, strict=True):
@@ -351,18 +371,17 @@ def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) 
                                                        strict=True)]
             for s in range(world):
                 for k, whole in enumerate(wholes):
-                    start = sum(shape[mine.dims[k]] for shape in mine.shapes[k][:s])
-                    size = mine.shapes[k][s][mine.dims[k]]
-                    send[s].append(whole.narrow(mine.dims[k], start, size).contiguous())
-        recv = [rnd[o].piece_bytes(me, rnd[o].ns_dtype) if o in rnd else [] for o in range(world)]
-        scatters.append(_Exchange(layout, send, recv, jobs[0].params[0].device))
+                    dim = mine.dims[k]
+                    start = sum(shape[dim] for shape in mine.shapes[k][:s])
+                    send[s].append(whole.narrow(dim, start, mine.shapes[k][s][dim]))
+        recv = [(sum(rnd[o].numels(me)), rnd[o].ns_dtype) if o in rnd else (0, torch.uint8)
+                for o in range(world)]
+        scatters.append(_Exchange(layout, send, recv, device))
         gather.recv_buf = None  # the gathered inputs are no longer needed
     received = sum(g.received for g in gathers)
     for rnd, scatter in zip(rounds, scatters, strict=True):
         scatter.wait()
         for owner, job in rnd.items():
-            shards = [scatter.piece(owner, k, job.shapes[k][me], job.ns_dtype)
-                      for k in range(len(job.params))]
-            _apply(job, shards)
+            _apply(job, scatter.segment(owner), me)
         received += scatter.received
     return received
