@@ -21,6 +21,7 @@ os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks talk over loo
 
 STEPS, SAVE_AT, VOCAB, D, LAYERS = 10, 5, 23, 10, 3
 WORLDS, MAX_WORLD, NAN_PARAM = (1, 2, 3, 4), 4, "blocks.1.fc.weight"
+PERMUTED = [3, 1, 0, 2]
 
 
 class Block(nn.Module):
@@ -177,25 +178,40 @@ def resume(rank, world, mesh, tmp):
 LAYOUTS = [((7, 5), 1), ((3, 6, 5), 0), ((3, 6, 5), 2), ((9, 4), 1), ((9, 4), 0), ((2, 9), 0)]
 
 
+def local_chunk(t, dim, mesh):
+    """This rank's shard of `t` on `mesh` (torch.chunk's split at the mesh coordinate)."""
+    n, world, coord = t.shape[dim], mesh.size(), mesh.get_coordinate()[0]
+    chunk = -(-n // world)
+    start = min(coord * chunk, n)
+    return t.narrow(dim, start, min(n, start + chunk) - start)
+
+
 def other_layouts(mesh, dtype):
     """Plain DTensors sharded on other dims (columns, the expert dim of a 3-D param, the
-    matrix dims of one), against one process; float64 takes the op-by-op path."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+    matrix dims of one), against one process; float64 takes the op-by-op path. Shards are
+    built and compared at the mesh coordinate by hand (in torch 2.13 `distribute_tensor`
+    scatters by group rank on a mesh in another order while DTensor places shards by
+    coordinate). Returns (this rank's shard, the same shard of the reference) pairs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def shard(t, dim):
+        return DTensor.from_local(local_chunk(t, dim, mesh).clone(), mesh, [Shard(dim)],
+                                  run_check=False, shape=t.shape, stride=t.stride())
 
     gen = torch.Generator().manual_seed(7)
     fulls = [torch.randn(shape, generator=gen, dtype=dtype) for shape, _ in LAYOUTS]
-    params = [nn.Parameter(distribute_tensor(f, mesh, [Shard(dim)]))
-              for f, (_, dim) in zip(fulls, LAYOUTS, strict=True)]
+    params = [nn.Parameter(shard(f, dim)) for f, (_, dim) in zip(fulls, LAYOUTS, strict=True)]
     refs = [nn.Parameter(f.clone()) for f in fulls]
     opt = DistributedMuon(params, lr=0.05, weight_decay=0.1)
     ref_opt = Muon(refs, lr=0.05, weight_decay=0.1)
     for _ in range(3):
-        for p, r in zip(params, refs, strict=True):
+        for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True):
             r.grad = torch.randn(r.shape, generator=gen, dtype=dtype)
-            p.grad = distribute_tensor(r.grad, mesh, p.placements)
+            p.grad = shard(r.grad, dim)
         opt.step()
         ref_opt.step()
-    return [(p.full_tensor(), r.detach()) for p, r in zip(params, refs, strict=True)]
+    return [(p.to_local().detach().clone(), local_chunk(r.detach(), dim, mesh).clone())
+            for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True)]
 
 
 def capture(errors, name, exc_type, fn):
@@ -261,6 +277,8 @@ def _worker(rank, tmp):
                 mesh = DeviceMesh.from_group(groups[world], "cpu")
                 out["resume"][world] = resume(rank, world, mesh, tmp)
             dist.barrier()
+        # A mesh whose order is not the group's: shard i lives on global rank PERMUTED[i].
+        out["permuted"] = other_layouts(DeviceMesh("cpu", PERMUTED), torch.float32)
         out["errors"] = check_errors(rank, groups)
         out["replay"] = torch.load(f"{tmp}/replay.pt") if rank == 0 else None
         torch.save(out, f"{tmp}/rank{rank}.pt")
@@ -298,6 +316,12 @@ def test_other_shard_dims_and_3d_params_equal_one_process(runs, world, dtype):
         for (shape, dim), (got, want) in zip(LAYOUTS, runs[rank]["train"][world][
                 f"layouts_{dtype}"], strict=True):
             assert torch.equal(got, want), f"world {world}, {shape} Shard({dim}), {dtype}"
+
+
+def test_mesh_in_another_rank_order_equals_one_process(runs):
+    for rank in range(MAX_WORLD):
+        for (shape, dim), (got, want) in zip(LAYOUTS, runs[rank]["permuted"], strict=True):
+            assert torch.equal(got, want), f"rank {rank}, {shape} Shard({dim})"
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -299,15 +299,16 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // _ALIGN) * _ALIGN
 
 
-def _orthogonalize(job: _Job, gather: _Exchange, world: int) -> Tensor:
-    """The owner's step: the whole NS input from every rank's shards, normalized and
-    orthogonalized as `Muon` does it. Returns `[sum(counts), rows, cols]` in ns_dtype."""
+def _orthogonalize(job: _Job, gather: _Exchange, world: int, order: list[int]) -> Tensor:
+    """The owner's step: the whole NS input from every rank's shards (`order`: the group
+    ranks by shard index), normalized and orthogonalized as `Muon` does it. Returns
+    `[sum(counts), rows, cols]` in ns_dtype."""
     group = job.group
     p0 = job.params[0]
     pieces = [gather.segment(s).split(job.numels(s)) for s in range(world)]
     U = torch.empty((sum(job.counts), job.rows, job.cols), dtype=p0.dtype, device=p0.device)
     for k, (whole, p) in enumerate(zip(U.split(job.counts), job.params, strict=True)):
-        torch.cat([pieces[s][k].view(job.shapes[k][s]) for s in range(world)],
+        torch.cat([pieces[s][k].view(job.shapes[k][s]) for s in order],
                   dim=job.dims[k], out=whole.view(p.shape))
     schedule = resolve_schedule(group["ns_coefficients"], group["ns_steps"])
     if job.fused:
@@ -352,6 +353,7 @@ def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) 
     for job, owner in zip(jobs, owners, strict=True):
         job.owner = owner
     rounds = _rounds(jobs, world)
+    order = sorted(range(world), key=lambda r: layout.coords[r])
     device = jobs[0].params[0].device if jobs else None
     gathers = []
     for rnd in rounds:
@@ -366,14 +368,15 @@ def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) 
         mine = rnd.get(me)
         send: list[list[Tensor]] = [[] for _ in range(world)]
         if mine is not None:
-            ortho = _orthogonalize(mine, gather, world)
+            ortho = _orthogonalize(mine, gather, world, order)
             wholes = [o.view(p.shape) for o, p in zip(ortho.split(mine.counts), mine.params,
                                                        strict=True)]
-            for s in range(world):
-                for k, whole in enumerate(wholes):
-                    dim = mine.dims[k]
-                    start = sum(shape[dim] for shape in mine.shapes[k][:s])
-                    send[s].append(whole.narrow(dim, start, mine.shapes[k][s][dim]))
+            for k, whole in enumerate(wholes):
+                dim, start = mine.dims[k], 0
+                for s in order:  # the shards in index order: each starts where the last ends
+                    size = mine.shapes[k][s][dim]
+                    send[s].append(whole.narrow(dim, start, size))
+                    start += size
         recv = [(sum(rnd[o].numels(me)), rnd[o].ns_dtype) if o in rnd else (0, torch.uint8)
                 for o in range(world)]
         scatters.append(_Exchange(layout, send, recv, device))
