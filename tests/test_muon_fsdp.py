@@ -186,12 +186,13 @@ def local_chunk(t, dim, mesh):
     return t.narrow(dim, start, min(n, start + chunk) - start)
 
 
-def other_layouts(mesh, dtype):
+def other_layouts(mesh, dtype, plain=False):
     """Plain DTensors sharded on other dims (columns, the expert dim of a 3-D param, the
     matrix dims of one), against one process; float64 takes the op-by-op path. Shards are
     built and compared at the mesh coordinate by hand (in torch 2.13 `distribute_tensor`
     scatters by group rank on a mesh in another order while DTensor places shards by
-    coordinate). Returns (this rank's shard, the same shard of the reference) pairs."""
+    coordinate). `plain`: add a replicated plain-tensor param (the default group's path).
+    Returns (this rank's shard, the same shard of the reference) pairs."""
     from torch.distributed.tensor import DTensor, Shard
 
     def shard(t, dim):
@@ -202,16 +203,22 @@ def other_layouts(mesh, dtype):
     fulls = [torch.randn(shape, generator=gen, dtype=dtype) for shape, _ in LAYOUTS]
     params = [nn.Parameter(shard(f, dim)) for f, (_, dim) in zip(fulls, LAYOUTS, strict=True)]
     refs = [nn.Parameter(f.clone()) for f in fulls]
-    opt = DistributedMuon(params, lr=0.05, weight_decay=0.1)
-    ref_opt = Muon(refs, lr=0.05, weight_decay=0.1)
+    extra = [nn.Parameter(torch.randn(6, 9, generator=gen, dtype=dtype))] if plain else []
+    extra_refs = [nn.Parameter(e.detach().clone()) for e in extra]
+    opt = DistributedMuon(params + extra, lr=0.05, weight_decay=0.1)
+    ref_opt = Muon(refs + extra_refs, lr=0.05, weight_decay=0.1)
     for _ in range(3):
         for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True):
             r.grad = torch.randn(r.shape, generator=gen, dtype=dtype)
             p.grad = shard(r.grad, dim)
+        for e, r in zip(extra, extra_refs, strict=True):
+            r.grad = torch.randn(r.shape, generator=gen, dtype=dtype)
+            e.grad = r.grad.clone()
         opt.step()
         ref_opt.step()
     return [(p.to_local().detach().clone(), local_chunk(r.detach(), dim, mesh).clone())
-            for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True)]
+            for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True)] + [
+        (e.detach().clone(), r.detach().clone()) for e, r in zip(extra, extra_refs, strict=True)]
 
 
 def capture(errors, name, exc_type, fn):
@@ -278,7 +285,7 @@ def _worker(rank, tmp):
                 out["resume"][world] = resume(rank, world, mesh, tmp)
             dist.barrier()
         # A mesh whose order is not the group's: shard i lives on global rank PERMUTED[i].
-        out["permuted"] = other_layouts(DeviceMesh("cpu", PERMUTED), torch.float32)
+        out["permuted"] = other_layouts(DeviceMesh("cpu", PERMUTED), torch.float32, plain=True)
         out["errors"] = check_errors(rank, groups)
         out["replay"] = torch.load(f"{tmp}/replay.pt") if rank == 0 else None
         torch.save(out, f"{tmp}/rank{rank}.pt")
@@ -318,9 +325,10 @@ def test_other_shard_dims_and_3d_params_equal_one_process(runs, world, dtype):
             assert torch.equal(got, want), f"world {world}, {shape} Shard({dim}), {dtype}"
 
 
-def test_mesh_in_another_rank_order_equals_one_process(runs):
+def test_mesh_in_another_rank_order_and_plain_params_equal_one_process(runs):
     for rank in range(MAX_WORLD):
-        for (shape, dim), (got, want) in zip(LAYOUTS, runs[rank]["permuted"], strict=True):
+        layouts = [*LAYOUTS, ((6, 9), "plain")]
+        for (shape, dim), (got, want) in zip(layouts, runs[rank]["permuted"], strict=True):
             assert torch.equal(got, want), f"rank {rank}, {shape} Shard({dim})"
 
 
