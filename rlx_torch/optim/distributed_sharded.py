@@ -51,7 +51,11 @@ _ALIGN = 16  # byte alignment of each segment in a packed buffer (viewable as an
 
 
 def is_dtensor(t: Tensor) -> bool:
-    """Whether `t` is a `torch.distributed.tensor.DTensor` (False where torch lacks DTensor)."""
+    """Whether `t` is a `torch.distributed.tensor.DTensor` (False where torch lacks DTensor).
+
+    >>> is_dtensor(torch.zeros(2))
+    False
+    """
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:
@@ -85,6 +89,12 @@ class ShardedMesh:
 
     `check(p, what)` validates a param (ValueError for another mesh or an unsupported
     layout); `coords[r]` is the mesh coordinate (= shard index) of group rank `r`.
+
+    Example (in each process of an initialised group of 2)::
+
+        mesh = init_device_mesh("cpu", (2,))
+        p = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])
+        ShardedMesh(p, "p").shard_shapes(p.shape, 0)   # [(3, 3), (2, 3)]
     """
 
     def __init__(self, p: Tensor, what: str, process_group=None) -> None:
@@ -214,7 +224,13 @@ def _fused(p: Tensor, lr, ns_dtype: torch.dtype) -> bool:
 
 def plan_jobs(opt, group: dict, params: list[Tensor], layout: ShardedMesh) -> list[_Job]:
     """`Muon._muon_jobs`' batches for the sharded `params` of `group` (in param order), with
-    this rank's momentum shards updated and its NS-input shards built."""
+    this rank's momentum shards updated and its NS-input shards built.
+
+    Example (what `DistributedMuon.step` does with them)::
+
+        jobs = plan_jobs(opt, group, params_with_grad, opt.mesh)
+        sharded_muon_step(jobs, opt.mesh, assign_owners([j.cost for j in jobs], opt.mesh.world))
+    """
     batches: dict[tuple, list[Tensor]] = defaultdict(list)
     for p in params:
         state = opt.state[p]
@@ -348,7 +364,7 @@ def _apply(job: _Job, ortho: Tensor, rank: int) -> None:
 def sharded_muon_step(jobs: list[_Job], layout: ShardedMesh, owners: list[int]) -> int:
     """Gathers, orthogonalizes, scatters and applies `jobs` (see the module docstring).
     `owners[i]` is the group rank that orthogonalizes `jobs[i]`. Returns the bytes this rank
-    received from other ranks."""
+    received from other ranks. Example: see `plan_jobs`."""
     world, me = layout.world, layout.rank
     for job, owner in zip(jobs, owners, strict=True):
         job.owner = owner
