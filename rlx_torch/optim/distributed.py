@@ -40,7 +40,7 @@ def assign_owners(costs: list[float], world_size: int) -> list[int]:
     goes to the least-loaded rank (ties: lower rank). Deterministic, so every rank agrees.
 
     >>> assign_owners([4.0, 1.0, 3.0, 2.0], 2)
-    [0, 1, 1, 0]
+    [0, 0, 1, 1]
     """
     owners = [0] * len(costs)
     loads = [(0.0, rank) for rank in range(world_size)]
