@@ -186,12 +186,13 @@ def local_chunk(t, dim, mesh):
     return t.narrow(dim, start, min(n, start + chunk) - start)
 
 
-def other_layouts(mesh, dtype, plain=False):
+def other_layouts(mesh, dtype, plain=False, **settings):
     """Plain DTensors sharded on other dims (columns, the expert dim of a 3-D param, the
     matrix dims of one), against one process; float64 takes the op-by-op path. Shards are
     built and compared at the mesh coordinate by hand (in torch 2.13 `distribute_tensor`
     scatters by group rank on a mesh in another order while DTensor places shards by
-    coordinate). `plain`: add a replicated plain-tensor param (the default group's path).
+    coordinate). `plain`: add a replicated plain-tensor param (the default group's path);
+    `settings`: more arguments of both optimizers.
     Returns (this rank's shard, the same shard of the reference) pairs."""
     from torch.distributed.tensor import DTensor, Shard
 
@@ -205,8 +206,8 @@ def other_layouts(mesh, dtype, plain=False):
     refs = [nn.Parameter(f.clone()) for f in fulls]
     extra = [nn.Parameter(torch.randn(6, 9, generator=gen, dtype=dtype))] if plain else []
     extra_refs = [nn.Parameter(e.detach().clone()) for e in extra]
-    opt = DistributedMuon(params + extra, lr=0.05, weight_decay=0.1)
-    ref_opt = Muon(refs + extra_refs, lr=0.05, weight_decay=0.1)
+    opt = DistributedMuon(params + extra, lr=0.05, weight_decay=0.1, **settings)
+    ref_opt = Muon(refs + extra_refs, lr=0.05, weight_decay=0.1, **settings)
     for _ in range(3):
         for p, r, (_, dim) in zip(params, refs, LAYOUTS, strict=True):
             r.grad = torch.randn(r.shape, generator=gen, dtype=dtype)
@@ -276,7 +277,9 @@ def _worker(rank, tmp):
                 mesh = DeviceMesh.from_group(groups[world], "cpu")
                 out["train"][world] = train(rank, world, mesh, tmp)
                 if world in (3, 4):
-                    out["train"][world]["layouts_fp32"] = other_layouts(mesh, torch.float32)
+                    # World size 3 also without Nesterov (the NS input is the buffer).
+                    out["train"][world]["layouts_fp32"] = other_layouts(
+                        mesh, torch.float32, nesterov=world != 3)
                     out["train"][world]["layouts_fp64"] = other_layouts(mesh, torch.float64)
             dist.barrier()
         for world in (2, 4):
@@ -285,7 +288,9 @@ def _worker(rank, tmp):
                 out["resume"][world] = resume(rank, world, mesh, tmp)
             dist.barrier()
         # A mesh whose order is not the group's: shard i lives on global rank PERMUTED[i].
-        out["permuted"] = other_layouts(DeviceMesh("cpu", PERMUTED), torch.float32, plain=True)
+        # Also: NS in bfloat16, so results travel back in another dtype than the inputs.
+        out["permuted"] = other_layouts(DeviceMesh("cpu", PERMUTED), torch.float32, plain=True,
+                                        ns_dtype=torch.bfloat16)
         out["errors"] = check_errors(rank, groups)
         out["replay"] = torch.load(f"{tmp}/replay.pt") if rank == 0 else None
         torch.save(out, f"{tmp}/rank{rank}.pt")
