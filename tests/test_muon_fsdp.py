@@ -248,6 +248,10 @@ def check_errors(rank, groups):
             lambda: DistributedMuon([param([Replicate()], local=(8, 6))]))
     capture(errors, "partial", ValueError,
             lambda: DistributedMuon([param([Partial()], local=(8, 6))]))
+    from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2 + TP's layout
+
+    capture(errors, "strided", ValueError,
+            lambda: DistributedMuon([param([_StridedShard(0, split_factor=2)])]))
     capture(errors, "group", ValueError,
             lambda: DistributedMuon([param([Shard(0)])], process_group=groups["pair"]))
     if rank < 2:
@@ -387,6 +391,7 @@ def test_dcp_checkpoint_saved_at_2_resumes_bitwise(runs, world):
 
 @pytest.mark.parametrize(("name", "needle"), [
     ("2d", "2-D device mesh"), ("replicate", "Replicate"), ("partial", "Partial"),
+    ("strided", "only Shard(dim) is supported"),
     ("group", "process_group"), ("meshes", "share one mesh"),
     ("partial_grad", "sharded like its param")])
 def test_unsupported_layouts_raise_clear_errors(runs, name, needle):
