@@ -1,8 +1,10 @@
 // rlx::gated_delta_bwd on CUDA (the formulation: gated_delta_cuda.cuh). Writes the packed
 // gradient buffer of gdn_backward_layout.h from the forward's checkpoints.
+#ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
+#endif
 
 #include "gated_delta_cuda.cuh"
 
@@ -41,10 +43,9 @@ template <typename qk_t, typename v_t, typename acc_t, bool kPerChannel>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
     backward_kernel(const BwdArgs<qk_t, v_t, acc_t> A) {
   constexpr int L = sub_len<acc_t>();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   const Dims<acc_t>& d = A.d;
   const int warps = blockDim.x / kWarp, Kp = warps * kRows;
-  const auto s = Stage<acc_t, kPerChannel>::carve(reinterpret_cast<acc_t*>(smem_raw), Kp, warps);
+  const auto s = Stage<acc_t, kPerChannel>::carve(dynamic_smem<acc_t>(), Kp, warps);
   const BlockPos b = block_pos(d);
   const int64_t KV = int64_t(d.K) * d.V;
   const int64_t C = d.chunk;
@@ -157,6 +158,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   if (A.dh0 != nullptr) store_tile(D, A.dh0 + (b.n * d.HV + b.hv) * KV, d, b);
 }
 
+#ifndef RLX_CUDA_EMULATION
 template <typename qk_t, typename v_t, typename acc_t, bool kPerChannel>
 void launch_backward(const BwdArgs<qk_t, v_t, acc_t>& A, int64_t blocks, cudaStream_t stream) {
   if (blocks == 0) return;
@@ -297,33 +299,40 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     }
   });
   // The sums over column tiles (and over a GVA group's value heads), in a fixed order.
+  // (dims as IntArrayRef: a braced list is ambiguous with DimnameList in some torch versions)
+  const std::vector<int64_t> tiles_dim{0}, tiles_group_dims{0, 3};
+  const at::IntArrayRef tiles(tiles_dim), tiles_group(tiles_group_dims);
   at::Tensor dq = slice(layout.dq).view({tokens, H, K});
   at::Tensor dk = slice(layout.dk).view({tokens, H, K});
   if (l2norm_eps.has_value()) {
     // dx = r (dy - y (y . dy)), y = x r the normalized row
     const at::Tensor qn = q.view({tokens, H, K}), kn = k.view({tokens, H, K});
-    const at::Tensor dqn = dq_part.sum({0, 3}), dkn = dk_part.sum({0, 3});
+    const at::Tensor dqn = dq_part.sum(tiles_group), dkn = dk_part.sum(tiles_group);
     dq.copy_(rq.view({tokens, H, 1}) * (dqn - qn * (qn * dqn).sum(-1, true)));
     dk.copy_(rk.view({tokens, H, 1}) * (dkn - kn * (kn * dkn).sum(-1, true)));
   } else {
-    at::sum_out(dq, dq_part, {0, 3});
-    at::sum_out(dk, dk_part, {0, 3});
+    at::sum_out(dq, dq_part, tiles_group);
+    at::sum_out(dk, dk_part, tiles_group);
   }
   if (p.gate_per_channel) {
     at::Tensor dg = slice(layout.dg).view({tokens, HV, K});
-    at::sum_out(dg, dg_part, {0});
+    at::sum_out(dg, dg_part, tiles);
   } else {
     at::Tensor dg = slice(layout.dg).view({tokens, HV});
-    at::sum_out(dg, dg_part, {0, 3});
+    at::sum_out(dg, dg_part, tiles_group);
   }
   at::Tensor dbeta = slice(layout.dbeta).view({tokens, HV});
-  at::sum_out(dbeta, dbeta_part, {0});
+  at::sum_out(dbeta, dbeta_part, tiles);
   return packed;
 }
+
+#endif  // RLX_CUDA_EMULATION
 
 }  // namespace
 }  // namespace rlx::gdn::cuda
 
+#ifndef RLX_CUDA_EMULATION
 TORCH_LIBRARY_IMPL(rlx, CUDA, m) {
   m.impl("gated_delta_bwd", &rlx::gdn::cuda::gated_delta_bwd_cuda);
 }
+#endif

@@ -24,8 +24,12 @@
 //
 // Determinism: no atomics; every sum has a fixed order, so identical inputs give bitwise
 // identical outputs.
+//
+// RLX_CUDA_EMULATION (tests/cuda_emu/): only the device code, compiled as C++ against a
+// shim of the CUDA built-ins, so that the kernels run on a CPU.
 #pragma once
 
+#ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -33,13 +37,16 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cmath>
-#include <cstdint>
 #include <optional>
 #include <vector>
 
-#include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
+#endif
+
+#include <cmath>
+#include <cstdint>
+
+#include "rlx/gdn_backward_layout.h"
 
 namespace rlx::gdn::cuda {
 
@@ -62,6 +69,7 @@ struct Dims {
   acc_t scale = 1;
 };
 
+#ifndef RLX_CUDA_EMULATION
 template <typename acc_t>
 Dims<acc_t> make_dims(const GdnProblem& p, const int64_t* cu, double scale) {
   Dims<acc_t> d;
@@ -78,6 +86,16 @@ Dims<acc_t> make_dims(const GdnProblem& p, const int64_t* cu, double scale) {
   d.scale = acc_t(scale);
   return d;
 }
+#endif
+
+#ifndef RLX_CUDA_EMULATION
+// The kernels' dynamic shared memory (the emulation's shim defines its own).
+template <typename T>
+__device__ __forceinline__ T* dynamic_smem() {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  return reinterpret_cast<T*>(smem_raw);
+}
+#endif
 
 // gdn_checkpoint_base and gdn_num_chunks (gdn_backward_layout.h), for device code.
 __host__ __device__ inline int64_t checkpoint_base(int64_t seq, int64_t bos, int64_t chunk) {
@@ -281,6 +299,7 @@ __device__ __forceinline__ void store_tile(const acc_t (&S)[kRows], acc_t* dst,
   }
 }
 
+#ifndef RLX_CUDA_EMULATION
 template <typename acc_t>
 inline acc_t* data_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() && t->defined() ? t->data_ptr<acc_t>() : nullptr;
@@ -324,5 +343,6 @@ inline SeqLens seq_lens(const std::optional<at::Tensor>& cu, const at::Device& d
   }
   return s;
 }
+#endif  // RLX_CUDA_EMULATION
 
 }  // namespace rlx::gdn::cuda

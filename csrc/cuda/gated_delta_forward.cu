@@ -2,9 +2,11 @@
 // CPU kernel (rlx_torch/ops/gated_delta.py): o, final state, the checkpoints every chunk_size
 // tokens in the shared slot layout (gdn_backward_layout.h) with the same tag; vw is not kept
 // (an empty tensor), as on MPS.
+#ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
+#endif
 
 #include "gated_delta_cuda.cuh"
 
@@ -24,10 +26,9 @@ struct FwdArgs {
 template <typename qk_t, typename v_t, typename acc_t, bool kPerChannel>
 __global__ void __launch_bounds__(kMaxWarps * kWarp)
     forward_kernel(const FwdArgs<qk_t, v_t, acc_t> A) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
   const Dims<acc_t>& d = A.d;
   const int warps = blockDim.x / kWarp, Kp = warps * kRows;
-  const auto s = Stage<acc_t, kPerChannel>::carve(reinterpret_cast<acc_t*>(smem_raw), Kp, warps);
+  const auto s = Stage<acc_t, kPerChannel>::carve(dynamic_smem<acc_t>(), Kp, warps);
   const BlockPos b = block_pos(d);
   const int64_t KV = int64_t(d.K) * d.V;
   const int64_t base = checkpoint_base(b.n, b.bos, d.chunk);
@@ -65,6 +66,7 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
   store_tile(S, A.ht + (b.n * d.HV + b.hv) * KV, d, b);
 }
 
+#ifndef RLX_CUDA_EMULATION
 template <typename qk_t, typename v_t, typename acc_t, bool kPerChannel>
 void launch_forward(const FwdArgs<qk_t, v_t, acc_t>& A, int64_t num_seqs, cudaStream_t stream) {
   const int warps = num_warps(A.d.K);
@@ -165,9 +167,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
   return {o, ht, ckpt, vw};
 }
 
+#endif  // RLX_CUDA_EMULATION
+
 }  // namespace
 }  // namespace rlx::gdn::cuda
 
+#ifndef RLX_CUDA_EMULATION
 TORCH_LIBRARY_IMPL(rlx, CUDA, m) {
   m.impl("gated_delta_fwd", &rlx::gdn::cuda::gated_delta_fwd_cuda);
 }
+#endif
