@@ -87,11 +87,18 @@ def cotangents(inputs, seed=1):
 
 
 def compare(actual, expected, tol, what):
+    """Relative RMS error per output; an expected zero (e.g. dg at T = 1 without an initial
+    state, where the decayed state is zero) is checked absolutely instead, since its RMS is
+    only rounding noise."""
     assert actual.keys() == expected.keys(), what
     for name in expected:
         a, e = actual[name], expected[name]
         assert a.shape == e.shape, (what, name)
         assert torch.isfinite(a.double()).all(), (what, name)
+        if e.numel() and e.double().pow(2).mean().sqrt().item() < 1e-6:
+            worst = a.double().abs().max().item()
+            assert worst <= 1e-5, f"{what}: {name} should be zero, max |.| {worst:.2e}"
+            continue
         err = rel_rms(a, e)
         assert err <= tol, f"{what}: {name} rel RMS {err:.2e} > {tol:.1e}"
 
@@ -438,6 +445,13 @@ def test_matches_fla(per_channel):
                   use_qk_l2norm_in_kernel=use_qk_l2norm)
 
     theirs = forward_backward(fla_fn, inputs, cot, use_qk_l2norm=True)
+    ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
+                           use_qk_l2norm=True)
     for name, tol in FLA_TOL.items():
+        ours_err = rel_rms(ours[name], ref[name])
+        assert ours_err <= tol, f"{name}: rel RMS {ours_err:.4f} against float64 > {tol}"
+        # against fla: within fla's tolerance on top of fla's own error
+        fla_err = rel_rms(theirs[name], ref[name])
         err = rel_rms(ours[name], theirs[name])
-        assert err <= tol, f"{name}: rel RMS {err:.4f} against fla > {tol}"
+        assert err <= tol + fla_err, (
+            f"{name}: rel RMS {err:.4f} against fla > {tol} + {fla_err:.4f}")
