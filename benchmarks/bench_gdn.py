@@ -1,9 +1,13 @@
-"""Gated delta rule on the CPU: rlx_torch.gated_delta_rule vs transformers'
-``torch_chunk_gated_delta_rule`` (the plain-PyTorch chunked code HF runs for Qwen3-Next when
-fla is absent), side by side in one process, float32, q/k L2-normalized inside both.
+"""Gated delta rule: rlx_torch.gated_delta_rule side by side with a peer in one process.
+
+CPU (default): against transformers' ``torch_chunk_gated_delta_rule`` (the plain-PyTorch
+chunked code HF runs for Qwen3-Next when fla is absent), float32, q/k L2-normalized inside both.
+CUDA (``--device cuda``): against fla's Triton kernels (``chunk_gated_delta_rule``, and
+``chunk_kda`` for the per-channel gate) where fla imports, bf16, CUDA events, medians.
 
     .venv/bin/pip install transformers   # benchmark-only dependency
     .venv/bin/python benchmarks/bench_gdn.py [--repeats N] [--quick]
+    python benchmarks/bench_gdn.py --device cuda [--repeats N] [--quick]
 
 Prints times, speed-ups and GFLOP/s, then one JSON line. FLOP model (per token and value
 head, multiply-add = 2): forward 7*K*V (decay K*V, S^T k, k u^T and S^T q at 2*K*V each);
@@ -96,7 +100,12 @@ def main():
     parser.add_argument("--quick", action="store_true", help="only the small shape")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: "
                         "torch's own choice)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    if args.device == "cuda":
+        from bench_gdn_cuda import main_cuda  # the CUDA side (fla, CUDA events)
+
+        return main_cuda(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.manual_seed(0)

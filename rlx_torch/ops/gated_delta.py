@@ -28,12 +28,12 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     of the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
-    (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
+    (CPU and CUDA), the kernels L2-normalize each q and k row first (fla's l2norm below, without
     rounding the normalized rows to the input dtype). vw ``[B, T, HV, V]`` acc is
     ``v_t - w_t`` per token (``w_t = P_t^T k_t``, the decayed state's prediction of v_t; u =
     beta vw), kept for the backward by the CPU kernels when ``chunk_size > 0`` and the gate
     is per head (the chunked backward reads it instead of recomputing it); otherwise, and on
-    MPS, an empty ``[0]`` tensor.
+    MPS and CUDA, an empty ``[0]`` tensor.
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
 grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
@@ -111,8 +111,8 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
     o = v.new_empty(v.shape)  # contiguous, like the kernels' at::empty_like of a contiguous v
     final_state = q.new_empty((N, HV, K, V), dtype=acc)
     checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
-    # gdn_keeps_vw (the CPU kernels; meta tensors stand in for CPU ones); MPS keeps none
-    keeps_vw = q.device.type != "mps" and chunk_size > 0 and g.dim() == 3
+    # gdn_keeps_vw (the CPU kernels; meta tensors stand in for CPU ones); MPS, CUDA keep none
+    keeps_vw = q.device.type not in ("mps", "cuda") and chunk_size > 0 and g.dim() == 3
     vw = q.new_empty(v.shape if keeps_vw else (0,), dtype=acc)
     return o, final_state, checkpoints, vw
 
@@ -407,7 +407,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         t is not None and t.requires_grad for _, t in named)
     on_cpu = q.device.type == "cpu"
     l2norm_eps = None
-    if use_qk_l2norm and on_cpu:
+    if use_qk_l2norm and (on_cpu or q.device.type == "cuda"):
         l2norm_eps = L2NORM_EPS  # inside the ops: q and k rows are normalized as they are read
     elif use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)

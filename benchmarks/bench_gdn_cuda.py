@@ -1,0 +1,110 @@
+"""The CUDA side of bench_gdn.py (``python benchmarks/bench_gdn.py --device cuda``):
+rlx_torch.gated_delta_rule against fla's Triton kernels in one process, bf16 q/k/v, float32
+g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_rule``) and
+per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
+taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
+and head forward, 3x that forward+backward.
+"""
+
+import json
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import rlx_torch
+
+SHAPES = [(4, 4096, 16, 128, 128), (1, 16384, 16, 128, 128), (8, 2048, 32, 64, 64)]
+
+
+def load_fla():
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        from fla.ops.kda import chunk_kda
+    except Exception as e:  # noqa: BLE001 (fla missing, or its Triton refuses this GPU)
+        print(f"fla is not importable ({e}): timing rlx_torch alone")
+        return None
+    import fla
+
+    return {"version": getattr(fla, "__version__", "?"), "head": chunk_gated_delta_rule,
+            "channel": chunk_kda}
+
+
+def make_inputs(B, T, H, K, V, per_channel, requires_grad):
+    dev = torch.device("cuda")
+    q = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, T, H, K, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, T, H, V, device=dev, dtype=torch.bfloat16)
+    g_shape = (B, T, H, K) if per_channel else (B, T, H)
+    g = F.logsigmoid(torch.randn(g_shape, device=dev) + 2.0)
+    beta = torch.rand(B, T, H, device=dev)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, g, beta)]
+
+
+def ours(q, k, v, g, beta):
+    return rlx_torch.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0]
+
+
+def theirs(fn):
+    def run(q, k, v, g, beta):
+        return fn(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+def time_cuda(fns, args, backward, warmup, repeats):
+    """Median milliseconds of each fn (and its backward), by CUDA events, turns alternating."""
+    grad_out = torch.randn_like(fns[0](*args)) if backward else None
+
+    def once(fn):
+        out = fn(*args)
+        if backward:
+            out.backward(grad_out)
+        for t in args:
+            t.grad = None
+
+    for fn in fns:
+        for _ in range(warmup):
+            once(fn)
+    torch.cuda.synchronize()
+    times = [[] for _ in fns]
+    for r in range(repeats):
+        order = list(range(len(fns)))
+        for i in order if r % 2 == 0 else order[::-1]:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            once(fns[i])
+            end.record()
+            torch.cuda.synchronize()
+            times[i].append(start.elapsed_time(end))
+    return [statistics.median(t) for t in times]
+
+
+def main_cuda(args):
+    torch.manual_seed(0)
+    fla = load_fla()
+    name = torch.cuda.get_device_name()
+    print(f"torch {torch.__version__}, {name}, fla {fla['version'] if fla else 'n/a'}")
+    shapes = SHAPES[:1] if args.quick else SHAPES
+    results = []
+    for gate in ("head", "channel"):
+        for B, T, H, K, V in shapes:
+            for mode, backward in (("fwd", False), ("fwd+bwd", True)):
+                inputs = make_inputs(B, T, H, K, V, gate == "channel", backward)
+                fns = [ours] + ([theirs(fla[gate])] if fla else [])
+                with torch.set_grad_enabled(backward):
+                    t = time_cuda(fns, inputs, backward, warmup=3, repeats=max(args.repeats, 5))
+                t_ours, t_fla = (t + [None])[:2]
+                flops = 7 * K * V * B * T * H * (3 if backward else 1)
+                row = dict(gate=gate, mode=mode, B=B, T=T, H=H, K=K, V=V,
+                           rlx_ms=round(t_ours, 3), fla_ms=round(t_fla, 3) if t_fla else None,
+                           ratio=round(t_ours / t_fla, 2) if t_fla else None,
+                           rlx_tflops=round(flops / t_ours / 1e9, 2),
+                           fla_tflops=round(flops / t_fla / 1e9, 2) if t_fla else None)
+                results.append(row)
+                fla_text = (f"fla {t_fla:8.3f} ms ({row['fla_tflops']:.2f} TFLOP/s)  "
+                            f"rlx/fla {row['ratio']:.2f}x" if t_fla else "fla n/a")
+                print(f"{gate:7s} {mode:8s} B={B} T={T} H={H} K={K} V={V}  rlx {t_ours:8.3f} ms "
+                      f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}", flush=True)
+                del inputs
+    print(json.dumps({"bench": "gated_delta_rule_cuda", "device": name,
+                      "fla": fla["version"] if fla else None, "results": results}))
