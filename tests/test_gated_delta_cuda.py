@@ -4,6 +4,8 @@ variant, dtype and T in {1, 63, 65, 1000}; varlen against per-sequence runs, GVA
 q/k, gradcheck in float64, opcheck, torch.compile, determinism, the layer, the model and the demo;
 fla's own kernels where fla can be imported. Needs a GPU: skips cleanly without one."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +17,8 @@ from rlx_torch.ops.gated_delta import unpack_gradients
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
+# The CUDA kernels are opt-in until this module passes on a GPU (csrc/cuda/gated_delta_cuda.cuh).
+os.environ["RLX_CUDA_GATED_DELTA"] = "1"
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Relative RMS error against the float64 reference, per input dtype (outputs and gradients).
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -455,3 +459,11 @@ def test_matches_fla(per_channel):
         err = rel_rms(ours[name], theirs[name])
         assert err <= tol + fla_err, (
             f"{name}: rel RMS {err:.4f} against fla > {tol} + {fla_err:.4f}")
+
+
+def test_without_the_opt_in_the_cuda_kernels_raise(monkeypatch):
+    monkeypatch.delenv("RLX_CUDA_GATED_DELTA")
+    x = make_inputs()
+    q, k, v, g, beta = (x[n].to(CUDA) for n in ("q", "k", "v", "g", "beta"))
+    with pytest.raises(NotImplementedError, match="RLX_CUDA_GATED_DELTA=1"):
+        rlx_torch.gated_delta_rule(q, k, v, g, beta)

@@ -224,6 +224,7 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                 int64_t chunk_size, std::optional<double> l2norm_eps,
                                 const std::optional<at::Tensor>& vw) {
   const char* op = "rlx::gated_delta_bwd";
+  require_opt_in(op);
   check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
