@@ -24,8 +24,8 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Unused slots are zero but for the tag (CPU: the first 4 bytes
-    of the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
+    ``n + bos_n // C + j``. Unused slots are zero but for the tag (the first 4 bytes of
+    the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
     (CPU only), the kernels L2-normalize each q and k row first (fla's l2norm below, without
@@ -48,8 +48,8 @@ grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
     it by the inputs' own element counts, which stay symbolic under dynamic shapes. (The op
     returns the buffer rather than views into it because custom-op outputs must not alias
     each other under torch.compile.) The forward tags its checkpoints with what the backward
-    must be given alike (chunk_size, l2norm_eps, whether vw was kept); the CPU backward
-    rejects checkpoints whose tag does not match its arguments.
+    must be given alike (chunk_size, l2norm_eps, whether the CPU forward keeps vw); the
+    backward (CPU and MPS alike) rejects checkpoints whose tag does not match its arguments.
 
 ``rlx::gated_delta_bwd_layout(B, T, H, HV, K, V, N, gate_per_channel, has_initial_state)
 -> [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]``
