@@ -153,3 +153,105 @@ def test_higher_order_func_transforms_raise():
         torch.func.jacrev(torch.func.jacrev(f))(q)
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
         torch.func.grad(lambda x: torch.func.grad(f)(x).sum())(q)
+
+
+RAW_FWD = "rlx::gated_delta_fwd " + FORWARD_AD
+RAW_BWD = "rlx::gated_delta_bwd " + FORWARD_AD
+
+
+def raw_forward(q, k, v, g, beta, h0, chunk=4):
+    return torch.ops.rlx.gated_delta_fwd(q, k, v, g, beta, 0.5, h0, None, chunk)
+
+
+def raw_backward_args(per_channel=False):
+    q, k, v, g, beta, h0 = inputs(per_channel)
+    o, ht, ckpt, vw = raw_forward(q, k, v, g, beta, h0)
+    go, gh = torch.randn_like(o), torch.randn_like(ht)
+    return [q, k, v, g, beta, 0.5, h0, None, ckpt, go, gh, 4, None, vw]
+
+
+@pytest.mark.parametrize("which", ["q", "k", "v", "g", "beta", "initial_state"])
+def test_raw_forward_op_rejects_tangents(which):
+    """torch.ops.rlx.gated_delta_fwd called directly with dual tensors used to return
+    outputs without tangents (zeros to torch.func.jvp); its autograd kernel now raises."""
+    args = list(inputs())
+    index = ("q", "k", "v", "g", "beta", "initial_state").index(which)
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match=f"{RAW_FWD}.*inputs {which} "):
+        args[index] = fwAD.make_dual(args[index], torch.randn_like(args[index]))
+        raw_forward(*args)
+
+    fixed = inputs()
+
+    def f(x):
+        a = list(fixed)
+        a[index] = x
+        return raw_forward(*a)[0]
+
+    x = fixed[index]
+    with pytest.raises(RuntimeError, match=RAW_FWD):
+        torch.func.jvp(f, (x,), (torch.randn_like(x),))
+    with pytest.raises(RuntimeError, match=RAW_FWD):
+        torch.func.jacfwd(f)(x)
+
+
+@pytest.mark.parametrize("which", ["q", "g", "checkpoints", "grad_o", "grad_final_state"])
+def test_raw_backward_op_rejects_tangents(which):
+    args = raw_backward_args()
+    index = {"q": 0, "g": 3, "checkpoints": 8, "grad_o": 9, "grad_final_state": 10}[which]
+    with fwAD.dual_level(), pytest.raises(RuntimeError, match=f"{RAW_BWD}.*inputs {which} "):
+        args[index] = fwAD.make_dual(args[index], torch.randn_like(args[index]))
+        torch.ops.rlx.gated_delta_bwd(*args)
+
+    fixed = raw_backward_args()
+
+    def f(x):
+        a = list(fixed)
+        a[index] = x
+        return torch.ops.rlx.gated_delta_bwd(*a)
+
+    x = fixed[index]
+    with pytest.raises(RuntimeError, match=RAW_BWD):
+        torch.func.jvp(f, (x,), (torch.randn_like(x),))
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_raw_forward_op_is_differentiable(per_channel):
+    """Reverse mode through the op itself gives the public function's gradients (the same
+    backward op); gradcheck in float64 and torch.func.grad over the op agree."""
+    args = inputs(per_channel)
+    leaves = [a.clone().requires_grad_() for a in args]
+    o, ht, _, _ = raw_forward(*leaves, chunk=64)
+    got = torch.autograd.grad(o.square().sum() + (ht * ht.detach().sign()).sum(), leaves)
+    want = autograd_grads(args)  # scale K ** -0.5 = 0.5 and chunk 64, as here
+    for a, w in zip(got, want, strict=True):
+        assert w.abs().max() > 0
+        torch.testing.assert_close(a, w, rtol=0, atol=0)
+    assert torch.autograd.gradcheck(lambda *a: raw_forward(*a)[:2], leaves)
+    got_func = torch.func.grad(
+        lambda x: raw_forward(x, *args[1:], chunk=64)[0].square().sum())(args[0])
+    torch.testing.assert_close(got_func, want[0], rtol=0, atol=0)  # (the state skips q)
+
+
+def test_raw_ops_double_backward_raises():
+    leaves = [a.clone().requires_grad_() for a in inputs()]
+    o, _, _, _ = raw_forward(*leaves)
+    with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
+        torch.autograd.grad(o.sum(), leaves[0], create_graph=True)
+    # The backward op's output is not differentiable: differentiating it raises (it used to
+    # be a constant to autograd, with a warning at most).
+    args = raw_backward_args()
+    args[9] = args[9].requires_grad_()  # grad_o
+    packed = torch.ops.rlx.gated_delta_bwd(*args)
+    with pytest.raises(RuntimeError, match="rlx::gated_delta_bwd " + DOUBLE_BACKWARD +
+                       ".*grad_o requiring grad"):
+        packed.sum().backward()
+    with torch.no_grad():  # without gradients: the plain op, no graph
+        assert torch.ops.rlx.gated_delta_bwd(*args).grad_fn is None
+
+
+def test_raw_forward_op_opcheck_with_gradients():
+    """opcheck's autograd-registration and AOT-dispatch checks with inputs that require
+    grad (they need an autograd kernel on the op)."""
+    leaves = [a.clone().requires_grad_() for a in inputs(per_channel=True)]
+    torch.library.opcheck(torch.ops.rlx.gated_delta_fwd.default,
+                          (*leaves[:5], 0.5, leaves[5], None, 4, None))

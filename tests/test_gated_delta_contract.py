@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import rlx_torch
-from rlx_torch.ops.gated_delta import _bwd_layout, _checkpoint_slots
+from rlx_torch.ops.gated_delta import _bwd_layout, _checkpoint_slots, unpack_gradients
 
 VARIANTS = {  # name: (B, T, H, HV, K, V, per_channel, state, cu_seqlens, l2norm_eps)
     "head": (2, 9, 2, 2, 4, 3, False, False, None, None),
@@ -17,6 +17,9 @@ VARIANTS = {  # name: (B, T, H, HV, K, V, per_channel, state, cu_seqlens, l2norm
     "gva_state": (2, 7, 1, 3, 5, 6, False, True, None, None),
     "packed_channel_state": (1, 12, 2, 2, 3, 3, True, True, [0, 5, 12], None),
     "packed_head": (1, 12, 2, 4, 3, 5, False, False, [0, 5, 5, 12], 1e-6),
+    # the Gated DeltaNet layer's shapes in test_layers_gated_deltanet's packed compile test
+    "packed_channel_l2": (1, 12, 2, 2, 3, 3, True, False, [0, 5, 12], 1e-6),
+    "packed_channel_gva": (1, 13, 1, 3, 2, 4, True, True, [0, 1, 13], None),
     "empty_batch": (0, 5, 2, 2, 4, 3, False, True, None, None),
     "empty_time": (2, 0, 2, 2, 4, 3, True, False, None, None),
 }
@@ -66,6 +69,23 @@ def test_fakes_match_real_outputs(name, dtype):
             fpacked = torch.ops.rlx.gated_delta_bwd(*(mode.from_tensor(a) if isinstance(
                 a, torch.Tensor) else a for a in bargs))
         assert layout_of(packed) == layout_of(fpacked)
+        # The split the Python backward makes of the packed buffer: the compiled backward
+        # sizes each gradient from the fake's split (dq, dk, dv, per-head or per-channel dg,
+        # dbeta, dh0), so every view must match the real one.
+        with FakeTensorMode() as mode:
+            fq, fv, fg, fh0, fcu = (mode.from_tensor(t) if t is not None else None
+                                    for t in (q, v, g, h0, cu_t))
+            fviews = unpack_gradients(mode.from_tensor(packed), fq, fv, fg, fh0, fcu)
+            fviews = [layout_of(t) if t is not None else None for t in fviews]
+        views = unpack_gradients(packed, q, v, g, h0, cu_t)
+        assert [layout_of(t) if t is not None else None for t in views] == fviews
+        for view, like in zip(views, (q, q, v, g, beta, h0), strict=True):
+            if like is None:
+                assert view is None
+            else:  # contiguous, the input's shape, in the accumulation dtype
+                assert layout_of(view) == layout_of(like.to(packed.dtype).contiguous())
+            if view is not None:
+                assert view.storage_offset() + view.numel() <= packed.numel()
         N = B if cu is None else len(cu) - 1
         assert packed.numel() == _bwd_layout(B, T, H, HV, K, V, N, per_channel, state)["total"]
         # Through autograd: every gradient has its input's shape and dtype (dbeta, a

@@ -34,6 +34,7 @@ test_gdn_forward_matches_cpu = mps_gdn.test_forward_matches_cpu
 test_gdn_backward_matches_cpu = mps_gdn.test_backward_matches_cpu
 test_gdn_non_contiguous_inputs = mps_gdn.test_non_contiguous_inputs_and_cpu_cu_seqlens
 test_gdn_bad_inputs_raise_errors = mps_gdn.test_bad_inputs_raise_errors_naming_the_argument
+test_gdn_checkpoint_tag = mps_gdn.test_backward_rejects_checkpoints_of_another_forward
 
 MTL_LANGUAGE_VERSION_3_1 = (3 << 16) + 1
 MTL_MATH_MODE_SAFE = 0

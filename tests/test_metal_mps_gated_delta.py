@@ -58,7 +58,38 @@ def test_forward_matches_cpu(case, dtype):
     slots = written_slots(p)
     assert_close(ckpt[slots], ckpt_ref[slots], 1e-4, "checkpoints")
     unused = sorted(set(range(ckpt.shape[0])) - set(slots))
+    # Zero but for the tag in the last slot's first 4 bytes, which is the CPU forward's.
+    if ckpt.shape[0]:
+        assert ckpt.shape[0] - 1 in unused
+        tag, tag_ref = (c[-1].reshape(-1)[:1].view(torch.int32) for c in (ckpt, ckpt_ref))
+        assert tag.item() != 0 and torch.equal(tag, tag_ref), (tag, tag_ref)
+        ckpt[-1].view(-1)[0] = 0
     assert torch.equal(ckpt[unused], torch.zeros_like(ckpt[unused])), "unused slots not zero"
+
+
+def test_backward_rejects_checkpoints_of_another_forward():
+    """As on the CPU: chunk_size 10 and 11 at T = 20 give the same slot count, and checkpoints
+    of the other one (or of no forward) used to give wrong gradients instead of an error.
+    Checkpoints carry the CPU op's tag, so they pass between the CPU and MPS ops."""
+    p = Problem(B=1, T=20, H=1, HV=2, K=8, V=4, initial_state=True, chunk=10, seed=9)
+    args = [to_mps(t) for t in (p.q, p.k, p.v, p.g, p.beta)]
+    h0 = to_mps(p.h0)
+    _, final, ckpt10, _ = torch.ops.rlx.gated_delta_fwd(*args, p.scale, h0, None, 10)
+    _, _, ckpt11, _ = torch.ops.rlx.gated_delta_fwd(*args, p.scale, h0, None, 11)
+    assert ckpt10.shape == ckpt11.shape
+    grad_o, grad_h = torch.randn_like(args[2]), torch.randn_like(final)
+    good = torch.ops.rlx.gated_delta_bwd(*args, p.scale, h0, None, ckpt10, grad_o, grad_h, 10)
+    for ckpt, chunk in ((ckpt10, 11), (ckpt11, 10), (torch.zeros_like(ckpt10), 10)):
+        with pytest.raises(RuntimeError, match="checkpoints do not come from"):
+            torch.ops.rlx.gated_delta_bwd(*args, p.scale, h0, None, ckpt, grad_o, grad_h, chunk)
+    # MPS checkpoints in the CPU backward (no vw: recomputed), and the other way round
+    cpu_args = (p.q, p.k, p.v, p.g, p.beta, p.scale, p.h0, None)
+    ref = torch.ops.rlx.gated_delta_bwd(*cpu_args, ckpt10.cpu(), grad_o.cpu(), grad_h.cpu(), 10)
+    assert_close(good.cpu(), ref, 2e-4, "packed gradients")
+    _, _, ckpt_cpu, _ = torch.ops.rlx.gated_delta_fwd(*cpu_args, 10)
+    back = torch.ops.rlx.gated_delta_bwd(*args, p.scale, h0, None, ckpt_cpu.to("mps"), grad_o,
+                                         grad_h, 10)
+    assert_close(back.cpu(), ref, 2e-4, "packed gradients")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -88,6 +89,28 @@ void check_no_l2norm(const char* op, std::optional<double> l2norm_eps) {
               "(rlx_torch.gated_delta_rule(..., use_qk_l2norm=True) does)");
 }
 
+// The checkpoints' tag (rlx/gdn_checks.h) in the first 4 bytes of the last slot: written by a
+// PyTorch fill behind the forward kernel (same stream, so after its zeros), and read back on
+// the host before the backward (one 4-byte copy, which waits for the GPU like the read of
+// cu_seqlens in shape_of).
+uint32_t tag_of(const mps::GdnShape& s, std::optional<double> l2norm_eps) {
+  return gdn_checkpoint_tag(s.chunk, l2norm_eps, mps::gdn_tag_keeps_vw(s));
+}
+
+void write_tag(at::Tensor& ckpt, uint32_t tag) {
+  if (ckpt.numel() == 0) return;
+  int32_t word = 0;
+  std::memcpy(&word, &tag, sizeof(word));
+  ckpt.select(0, ckpt.size(0) - 1).view({-1}).view(at::kInt).narrow(0, 0, 1).fill_(word);
+}
+
+void check_tag(const char* op, const at::Tensor& ckpt, uint32_t tag) {
+  if (ckpt.numel() == 0) return;
+  // [1, 1]: the last slot's first element, on the host, for the CPU op's own check.
+  const at::Tensor head = ckpt.narrow(0, ckpt.size(0) - 1, 1).reshape({1, -1}).narrow(1, 0, 1);
+  gdn_check_checkpoint_tag(op, head.to(at::kCPU), tag);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
@@ -122,6 +145,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
                {mps::kFwdFinalState, ht},
                {mps::kFwdCheckpoints, ckpt}};
   mps::encode(kSource, {d});
+  write_tag(ckpt, tag_of(s, l2norm_eps));
   // vw (v - S^T k per token) is not kept here: the MPS backward recomputes it.
   return {o, ht, ckpt, at::empty({0}, q.options().dtype(at::kFloat))};
 }
@@ -166,6 +190,7 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
     check_mps(op, "grad_final_state", gh);
   }
   const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, grad_final_state.has_value());
+  check_tag(op, checkpoints, tag_of(s, l2norm_eps));
   const GdnBackwardLayout lay = GdnBackwardLayout::make(
       p.batch, p.seq_len, p.num_qk_heads, HV, K, V, p.num_seqs, p.gate_per_channel,
       p.has_initial_state);

@@ -24,8 +24,8 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     Returns o (v's shape and dtype, contiguous), final_state ``[N, HV, K, V]`` acc, and
     checkpoints ``[slots, HV, K, V]`` acc, slots = ``gated_delta_checkpoint_slots(N, B*T, C)``:
     sequence n (first token bos_n) stores its state before its token ``j*C`` in slot
-    ``n + bos_n // C + j``. Unused slots are zero but for the tag (CPU: the first 4 bytes
-    of the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
+    ``n + bos_n // C + j``. Unused slots are zero but for the tag (the first 4 bytes of
+    the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
     (CPU and CUDA), the kernels L2-normalize each q and k row first (fla's l2norm below, without
@@ -48,8 +48,8 @@ grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
     it by the inputs' own element counts, which stay symbolic under dynamic shapes. (The op
     returns the buffer rather than views into it because custom-op outputs must not alias
     each other under torch.compile.) The forward tags its checkpoints with what the backward
-    must be given alike (chunk_size, l2norm_eps, whether vw was kept); the CPU backward
-    rejects checkpoints whose tag does not match its arguments.
+    must be given alike (chunk_size, l2norm_eps, whether the CPU forward keeps vw); the
+    backward (CPU and MPS alike) rejects checkpoints whose tag does not match its arguments.
 
 ``rlx::gated_delta_bwd_layout(B, T, H, HV, K, V, N, gate_per_channel, has_initial_state)
 -> [dq.offset, dq.numel, dk..., dv..., dg..., dbeta..., dstate..., total]``
@@ -64,8 +64,8 @@ formula in PyTorch ops): fla's ``y = x / sqrt(sum(x^2, -1) + eps)`` in x's dtype
 import numbers
 
 import torch
-import torch.autograd.forward_ad as fwAD
 
+from . import _gated_delta_autograd as _autograd
 from . import _gated_delta_checks as _checks
 
 __all__ = ["gated_delta_rule", "l2norm"]
@@ -160,16 +160,8 @@ def unpack_gradients(packed, q, v, g, initial_state, cu_seqlens):
     return views if initial_state is not None else views + (None,)
 
 
-_NO_FORWARD_AD = (
-    "gated_delta_rule does not support forward-mode AD (torch.func.jvp, jacfwd, "
-    "torch.autograd.forward_ad): its inputs {} carry tangents. Use reverse mode "
-    "(backward, torch.autograd.grad, torch.func.grad, vjp or jacrev).")
-_NO_DOUBLE_BACKWARD = (
-    "gated_delta_rule does not support double backward: its backward is a native kernel "
-    "that is not differentiable, so gradients of its gradients (create_graph=True with "
-    "{} requiring grad, e.g. a gradient penalty, or torch.func.hessian) would come back "
-    "wrong. Differentiate once, or use rlx_torch.ops.reference.gated_delta_rule for "
-    "higher-order gradients.")
+_NO_FORWARD_AD = _autograd.NO_FORWARD_AD.replace("{op}", "gated_delta_rule")
+_NO_DOUBLE_BACKWARD = _autograd.NO_DOUBLE_BACKWARD.replace("{op}", "gated_delta_rule")
 
 
 def _differentiable(t):
@@ -190,7 +182,7 @@ def _check_not_differentiated(named):
     if not differentiated and torch.is_grad_enabled():  # create_graph=True
         differentiated = [n for n, t in named if t is not None and _differentiable(t)]
     if differentiated:
-        raise RuntimeError(_NO_DOUBLE_BACKWARD.format(", ".join(differentiated)))
+        raise RuntimeError(_NO_DOUBLE_BACKWARD.format(names=", ".join(differentiated)))
 
 
 def _backward(ctx, grad_o, grad_final_state):
@@ -202,9 +194,9 @@ def _backward(ctx, grad_o, grad_final_state):
         grad_o = torch.zeros_like(v)
     elif grad_o.dtype != v.dtype:
         grad_o = grad_o.to(v.dtype)
-    packed = torch.ops.rlx.gated_delta_bwd(
-        q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens, checkpoints, grad_o,
-        grad_final_state, ctx.chunk_size, ctx.l2norm_eps, vw)
+    packed = _autograd.call_below_autograd(
+        torch.ops.rlx.gated_delta_bwd, q, k, v, g, beta, ctx.scale, initial_state, cu_seqlens,
+        checkpoints, grad_o, grad_final_state, ctx.chunk_size, ctx.l2norm_eps, vw)
     dq, dk, dv, dg, dbeta, dstate = unpack_gradients(packed, q, v, g, initial_state,
                                                      cu_seqlens)
     if q.dtype != packed.dtype:  # 16-bit inputs: gradients in the inputs' dtype
@@ -239,7 +231,7 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size,
                 l2norm_eps):
         inputs = (q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size, l2norm_eps)
-        outputs = torch.ops.rlx.gated_delta_fwd(*inputs)
+        outputs = _autograd.call_below_autograd(torch.ops.rlx.gated_delta_fwd, *inputs)
         _save(ctx, inputs, outputs)
         return outputs
 
@@ -272,8 +264,13 @@ class GatedDeltaRuleFunctorch(torch.autograd.Function):
     def jvp(ctx, *tangents):  # (jacfwd over a grad transform reaches here, e.g. hessian)
         names = ("q", "k", "v", "g", "beta", "initial_state")
         given = tangents[:5] + tangents[6:7]
-        raise RuntimeError(_NO_FORWARD_AD.format(", ".join(
+        raise RuntimeError(_NO_FORWARD_AD.format(names=", ".join(
             n for n, t in zip(names, given, strict=True) if t is not None)))
+
+
+# The ops' own autograd (torch.ops.rlx.gated_delta_fwd/bwd called directly), with this
+# module's backward.
+_autograd.register(GatedDeltaRuleFunctorch)
 
 
 @torch.library.register_fake("rlx::gated_delta_l2norm_fwd")
@@ -307,12 +304,7 @@ class L2NormFunction(torch.autograd.Function):
         return torch.ops.rlx.gated_delta_l2norm_bwd(grad_y.contiguous(), x, rstd), None
 
 
-def _with_tangents(named):
-    """Names of the tensors that carry a forward-mode tangent (forward AD or torch.func.jvp)."""
-    if torch.autograd.forward_ad._current_level < 0:  # no dual level: nothing to unpack
-        return []
-    return [name for name, t in named
-            if isinstance(t, torch.Tensor) and fwAD.unpack_dual(t).tangent is not None]
+_with_tangents = _autograd.with_tangents
 
 
 def l2norm(x, eps=L2NORM_EPS):
@@ -402,7 +394,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
              ("initial_state", initial_state))
     tangents = _with_tangents(named)
     if tangents:
-        raise RuntimeError(_NO_FORWARD_AD.format(", ".join(tangents)))
+        raise RuntimeError(_NO_FORWARD_AD.format(names=", ".join(tangents)))
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for _, t in named)
     on_cpu = q.device.type == "cpu"
@@ -418,6 +410,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         o, final_state, _, _ = GatedDeltaRuleFunction.apply(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, chunk_size, l2norm_eps)
     else:  # inference: no checkpoints (saves O(T / C * K * V) memory per head)
-        o, final_state, _, _ = torch.ops.rlx.gated_delta_fwd(
-            q, k, v, g, beta, float(scale), initial_state, cu_seqlens, 0, l2norm_eps)
+        o, final_state, _, _ = _autograd.call_below_autograd(
+            torch.ops.rlx.gated_delta_fwd, q, k, v, g, beta, float(scale), initial_state,
+            cu_seqlens, 0, l2norm_eps)
     return o, (final_state if output_final_state else None)

@@ -63,6 +63,14 @@ constexpr uint32_t kGdnForwardSimdgroups = 4;    // columns per forward threadgr
 constexpr uint32_t kGdnReduceSimdgroups = 4;     // rows per reduction threadgroup
 constexpr uint64_t kGdnPartialBudget = 128ull << 20;  // bytes of backward partials per window
 
+// The checkpoints' tag (gdn_checkpoint_tag, rlx/gdn_checks.h) is the CPU forward's for the same
+// arguments, so that checkpoints pass between the two backends: its vw bit is whether the CPU
+// forward keeps vw for these arguments (gdn_keeps_vw: checkpoints kept and one gate per head).
+// The MPS forward keeps none, and the CPU backward accepts a missing vw either way. The host
+// code writes the tag after the forward kernel (which zeroes the unused slots) and checks it
+// before the backward, as the CPU op does.
+inline bool gdn_tag_keeps_vw(const GdnShape& s) { return s.chunk > 0 && !s.gate_per_channel; }
+
 inline GdnParams gdn_params(const GdnShape& s) {
   GdnParams p{};
   const GdnBackwardLayout l = GdnBackwardLayout::make(
