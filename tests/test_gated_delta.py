@@ -648,4 +648,25 @@ def test_bad_cu_seqlens_raises(cu, match):
     with pytest.raises(RuntimeError, match=match):
         _call(cu_seqlens=torch.tensor(cu), **one)
     with pytest.raises(RuntimeError, match="int64"):
-        _call(cu_seqlens=torch.tensor([0, 5], dtype=torch.int32), **one)
+        _call(cu_seqlens=torch.tensor([0, 5], dtype=torch.int16), **one)
+
+
+def test_int32_cu_seqlens_give_the_int64_results():
+    # transformers and FlashAttention build int32 offsets; the function accepts them as they
+    # are, the raw op keeps its one int64 contract.
+    x = make_inputs(B=1, T=13, H=2, HV=4, K=5, V=3, state=True, cu_seqlens=[0, 4, 4, 13])
+    results = []
+    for dtype in (torch.int64, torch.int32):
+        leaves = {n: x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta",
+                                                                       "initial_state")}
+        o, h = rlx_torch.gated_delta_rule(
+            *(leaves[n] for n in ("q", "k", "v", "g", "beta")),
+            initial_state=leaves["initial_state"], output_final_state=True,
+            cu_seqlens=x["cu_seqlens"].to(dtype))
+        (o.square().sum() + h.sum()).backward()
+        results.append([o, h, *(leaves[n].grad for n in leaves)])
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)
+    with pytest.raises(RuntimeError, match="int64"):
+        torch.ops.rlx.gated_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 1.0, None,
+                                      x["cu_seqlens"].int(), 64, None)

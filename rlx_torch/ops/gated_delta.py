@@ -352,7 +352,7 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
         scale: defaults to ``K ** -0.5``.
         initial_state: ``[N, HV, K, V]`` (cast to float32; float64 for float64 inputs).
         output_final_state: also return the final state ``[N, HV, K, V]``.
-        cu_seqlens: int64 ``[N + 1]`` packing N sequences along T (requires B = 1); the
+        cu_seqlens: int64 or int32 ``[N + 1]`` packing N sequences along T (requires B = 1); the
             state resets at every boundary.
         use_qk_l2norm: L2-normalize q and k over K first (fla's eps 1e-6), differentiably.
         chunk_size: checkpoint interval of the forward (memory O(T / chunk_size * K * V)).
@@ -387,6 +387,8 @@ def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                         f"got {type(scale).__name__}")
     elif not float("-inf") < scale < float("inf"):
         raise ValueError(f"gated_delta_rule: scale must be finite, got {scale}")
+    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dtype == torch.int32:
+        cu_seqlens = cu_seqlens.long()  # as transformers and FlashAttention build them
     acc = _acc_dtype(q.dtype)
     g, beta = _as_acc("g", g, acc), _as_acc("beta", beta, acc)
     initial_state = _as_acc("initial_state", initial_state, acc, required=False)
