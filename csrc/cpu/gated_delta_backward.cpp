@@ -840,26 +840,8 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
+  gdn_check_backward_shapes(op, p, v_in, checkpoints, grad_o_in, grad_final_state);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
-  TORCH_CHECK(p.chunk >= 1, op, ": chunk_size must be >= 1: the backward needs the forward's ",
-              "checkpoints, got ", p.chunk);
-  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
-  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
-                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
-                  checkpoints.size(3) == V && checkpoints.scalar_type() == p.acc_dtype,
-              op, ": checkpoints must be the ", p.acc_dtype, " [", slots, ", ", HV, ", ", K, ", ",
-              V, "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
-              checkpoints.scalar_type(), " ", checkpoints.sizes());
-  TORCH_CHECK(grad_o_in.sizes() == v_in.sizes() && grad_o_in.scalar_type() == p.input_dtype, op,
-              ": grad_o must have o's shape ", v_in.sizes(), " and dtype ", p.input_dtype,
-              ", got ", grad_o_in.scalar_type(), " ", grad_o_in.sizes());
-  if (grad_final_state.has_value()) {
-    const at::Tensor& gh = *grad_final_state;
-    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
-                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == p.acc_dtype,
-                op, ": grad_final_state must be ", p.acc_dtype, " [", p.num_seqs, ", ", HV, ", ",
-                K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
-  }
   // vw as the forward returned it: [B, T, HV, V] in acc, or empty (not kept: recomputed).
   gdn_check_backward_devices(op, q_in, checkpoints, grad_o_in, grad_final_state, vw_in);
   const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;

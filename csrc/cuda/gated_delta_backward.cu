@@ -174,26 +174,7 @@ void check_backward_inputs(const char* op, const GdnProblem& p, const at::Tensor
                            const at::Tensor& checkpoints, const at::Tensor& grad_o,
                            const std::optional<at::Tensor>& grad_final_state,
                            const std::optional<at::Tensor>& vw) {
-  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
-  TORCH_CHECK(p.chunk >= 1, op, ": chunk_size must be >= 1: the backward needs the forward's ",
-              "checkpoints, got ", p.chunk);
-  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
-  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
-                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
-                  checkpoints.size(3) == V && checkpoints.scalar_type() == p.acc_dtype,
-              op, ": checkpoints must be the ", p.acc_dtype, " [", slots, ", ", HV, ", ", K, ", ",
-              V, "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
-              checkpoints.scalar_type(), " ", checkpoints.sizes());
-  TORCH_CHECK(grad_o.sizes() == v.sizes() && grad_o.scalar_type() == p.input_dtype, op,
-              ": grad_o must have o's shape ", v.sizes(), " and dtype ", p.input_dtype,
-              ", got ", grad_o.scalar_type(), " ", grad_o.sizes());
-  if (grad_final_state.has_value()) {
-    const at::Tensor& gh = *grad_final_state;
-    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
-                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == p.acc_dtype,
-                op, ": grad_final_state must be ", p.acc_dtype, " [", p.num_seqs, ", ", HV, ", ",
-                K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
-  }
+  gdn_check_backward_shapes(op, p, v, checkpoints, grad_o, grad_final_state);
   if (vw.has_value() && vw->numel() > 0) {
     TORCH_CHECK(vw->sizes() == v.sizes() && vw->scalar_type() == p.acc_dtype, op,
                 ": vw must be the ", p.acc_dtype, " ", v.sizes(),

@@ -142,6 +142,32 @@ inline GdnProblem gdn_check_inputs(const char* op, const at::Tensor& q, const at
   return p;
 }
 
+// The backward's checkpoints, grad_o and grad_final_state as the forward made them for p.
+inline void gdn_check_backward_shapes(const char* op, const GdnProblem& p, const at::Tensor& v,
+                                      const at::Tensor& checkpoints, const at::Tensor& grad_o,
+                                      const std::optional<at::Tensor>& grad_final_state) {
+  const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
+  TORCH_CHECK(p.chunk >= 1, op, ": chunk_size must be >= 1: the backward needs the forward's ",
+              "checkpoints, got ", p.chunk);
+  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
+  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
+                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
+                  checkpoints.size(3) == V && checkpoints.scalar_type() == p.acc_dtype,
+              op, ": checkpoints must be the ", p.acc_dtype, " [", slots, ", ", HV, ", ", K, ", ",
+              V, "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
+              checkpoints.scalar_type(), " ", checkpoints.sizes());
+  TORCH_CHECK(grad_o.sizes() == v.sizes() && grad_o.scalar_type() == p.input_dtype, op,
+              ": grad_o must have o's shape ", v.sizes(), " and dtype ", p.input_dtype,
+              ", got ", grad_o.scalar_type(), " ", grad_o.sizes());
+  if (grad_final_state.has_value()) {
+    const at::Tensor& gh = *grad_final_state;
+    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
+                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == p.acc_dtype,
+                op, ": grad_final_state must be ", p.acc_dtype, " [", p.num_seqs, ", ", HV, ", ",
+                K, ", ", V, "], got ", gh.scalar_type(), " ", gh.sizes());
+  }
+}
+
 // The backward's own tensors on q's device (a tensor on another device would make that
 // device's kernel run for all inputs: meta's, for instance, returns uninitialized memory).
 inline void gdn_check_backward_devices(const char* op, const at::Tensor& q,
