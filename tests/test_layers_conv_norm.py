@@ -83,6 +83,49 @@ def test_short_conv_cache_continuation_dense_and_packed():
     torch.testing.assert_close(cache, full_final)
 
 
+@pytest.mark.parametrize("D,W", [(6, 2), (5, 4), (3, 1)])
+def test_short_conv_packed_compiled_gradients(D, W):
+    """The packed path compiled with gradients, channel counts that are not a multiple of the
+    vector width included: torch 2.11's inductor wrote past the weight gradient's buffer for
+    the former einsum form (heap corruption, then an abort in free()); with the shifted-sum
+    form every torch gives the eager gradients, which match a per-sequence float64 conv1d."""
+    torch._dynamo.reset()
+    conv = ShortConvolution(D, W, bias=True)
+    cu = torch.tensor([0, 5, 5, 12])
+    x = torch.randn(1, 12, D)
+    history = torch.randn(3, D, W)
+
+    def loss(module, inp):
+        y, final = module(inp, cu_seqlens=cu, cache=history, output_final_state=True)
+        return y.square().sum() + final.sum()
+
+    ref = ShortConvolution(D, W, bias=True).double()
+    ref.load_state_dict(conv.state_dict())
+    x64 = x.double().requires_grad_(True)
+    total = x64.new_zeros(())
+    for n in range(3):
+        seg = x64[:, cu[n]:cu[n + 1]]
+        if seg.shape[1] == 0:
+            continue
+        total = total + conv_reference(ref, seg, history[n:n + 1].double()).square().sum()
+    total.backward()
+    compiled = torch.compile(loss, fullgraph=True)
+    for _ in range(2):
+        conv.zero_grad(set_to_none=True)
+        xc = x.clone().requires_grad_(True)
+        compiled(conv, xc).backward()
+        # final.sum() adds 1 per consumed row to x's gradient: the rows that end in the state
+        final_rows = torch.zeros_like(x)
+        for n in range(3):
+            end = int(cu[n + 1])
+            final_rows[0, max(int(cu[n]), end - W):end] = 1
+        torch.testing.assert_close(xc.grad, (x64.grad + final_rows).float(), rtol=1e-4,
+                                   atol=1e-5)
+        torch.testing.assert_close(conv.weight.grad, ref.weight.grad.float(), rtol=1e-4,
+                                   atol=1e-5)
+        torch.testing.assert_close(conv.bias.grad, ref.bias.grad.float(), rtol=1e-4, atol=1e-5)
+
+
 def test_short_conv_gradcheck():
     conv = ShortConvolution(3, 3, bias=True).double()
     x = torch.randn(1, 5, 3, dtype=torch.float64, requires_grad=True)

@@ -87,29 +87,43 @@ class ShortConvolution(nn.Conv1d):
         return y, final
 
     def _packed(self, x, cache, output_final_state, cu_seqlens):
-        # Every output reads W inputs at offsets -W+1..0 of its own sequence; offsets before the
-        # sequence start read its cached history instead (zeros without a cache). One gather from
-        # [history rows; packed rows] does that for all sequences at once.
+        # Lay the sequences out one after another, each preceded by the W - 1 rows of its left
+        # context (its cached history, zeros without a cache), and run the same sum of shifted
+        # products as the dense path over that layout: no output then reads across a sequence
+        # boundary, and every op is elementwise or a slice. (Written as an einsum over gathered
+        # windows, the weight gradient is a reduction over tokens that torch 2.11's inductor
+        # miscompiles when D is not a multiple of its vector width: docs/troubleshooting.md.)
         total, D = x.shape[1], x.shape[2]
         W = self.kernel_size[0]
         N = cu_seqlens.numel() - 1
         history = x.new_zeros(N, D, W) if cache is None else cache.to(x.dtype)
         rows = torch.cat([history.transpose(1, 2).reshape(N * W, D), x[0]], dim=0)
         seq, pos = sequence_positions(cu_seqlens, total)
-        start = cu_seqlens[:-1].to(seq.device)
-
-        def gather(seq_idx, rel):  # rel: position inside the sequence, may be in [-W, 0)
-            hist_idx = seq_idx * W + W + rel
-            data_idx = N * W + start[seq_idx] + rel
-            return rows[torch.where(rel >= 0, data_idx, hist_idx.clamp(min=0))]
-
-        taps = torch.arange(-W + 1, 1, device=x.device)  # oldest first, like the weight
-        windows = gather(seq[:, None], pos[:, None] + taps)  # [total, W, D]
-        y = torch.einsum("twd,dw->td", windows, self.weight[:, 0, :]).unsqueeze(0)
+        start = cu_seqlens[:-1].to(device=seq.device, dtype=torch.int64)
+        # Row t of x goes to t + (seq + 1)(W - 1); history row h of sequence s (its last W - 1
+        # rows, h = 1..W-1) to start[s] + s(W - 1) + h - 1.
+        token = torch.arange(total, device=x.device)
+        at_token = token + (seq + 1) * (W - 1)
+        h = torch.arange(1, W, device=x.device)
+        seq_ids = torch.arange(N, device=x.device)
+        at_hist = (start + seq_ids * (W - 1))[:, None] + h - 1  # [N, W - 1]
+        src_hist = seq_ids[:, None] * W + h
+        source = torch.empty(total + N * (W - 1), dtype=torch.int64, device=x.device)
+        source[at_token] = N * W + token
+        source[at_hist.reshape(-1)] = src_hist.reshape(-1)
+        ext = rows[source]  # [total + N(W - 1), D]
+        length = ext.shape[0] - (W - 1)
+        y_ext = ext[0:length] * self.weight[:, 0, 0]
+        for tap in range(1, W):
+            y_ext = y_ext + ext[tap:tap + length] * self.weight[:, 0, tap]
+        # The output of row t is the one whose window ends at t's own position.
+        y = y_ext[token + seq * (W - 1)].unsqueeze(0)
         final = None
         if output_final_state:
-            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(x.device)
-            seq_ids = torch.arange(N, device=x.device)
-            last = gather(seq_ids[:, None], lengths[:, None] + torch.arange(-W, 0, device=x.device))
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=x.device, dtype=torch.int64)
+            rel = lengths[:, None] + torch.arange(-W, 0, device=x.device)  # may be in [-W, 0)
+            hist_idx = seq_ids[:, None] * W + W + rel
+            data_idx = N * W + start[:, None] + rel
+            last = rows[torch.where(rel >= 0, data_idx, hist_idx.clamp(min=0))]
             final = last.transpose(1, 2).contiguous()  # [N, D, W]
         return y, final
