@@ -390,7 +390,8 @@ inline void check_index_range(const at::Tensor& indices, const Dims& d) {
                     " (the number of codebook entries), found ", top);
 }
 
-// Batches above this many rows take the dense (dequantize + cuBLAS) path: forward above 4 rows,
+// Batches above this many rows take the dense (dequantize + cuBLAS) path: forward above 4 rows
+// (the 16-bit D = 8 forward with M <= 2 takes codebook_mma.cuh's kernel up to 16 rows),
 // backward above 16 (where its scatter from x still beats dW through cuBLAS; H200 timings in
 // docs/cuda.md).
 inline bool use_dense(const Dims& d) { return d.rows > 4; }

@@ -1,6 +1,8 @@
 // rlx::gated_delta_l2norm_fwd / _bwd on CUDA: fla's l2norm over the last dim, as on the CPU
 // (csrc/cpu/gated_delta_l2norm.cpp): y = x r, r = (sum x^2 + eps)^-1/2 in the accumulation
-// dtype; dx = r (dy - x r^2 (x . dy)). Memory-bound elementwise work: composed of ATen ops.
+// dtype; dx = r (dy - x r^2 (x . dy)). Memory-bound elementwise work: composed of ATen ops,
+// run below autograd (the ops have no autograd formula; like the CPU kernels they must not
+// record one of their own for inputs that require grad).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
@@ -20,6 +22,7 @@ void check_x(const char* op, const at::Tensor& x) {
 std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cuda(const at::Tensor& x, double eps) {
   const char* op = "rlx::gated_delta_l2norm_fwd";
   check_x(op, x);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const at::Tensor xf = x.to(gdn_acc_dtype(x.scalar_type()));
   const at::Tensor r = at::reciprocal(at::sqrt(xf.square().sum(-1) + eps));
   return {(xf * r.unsqueeze(-1)).to(x.scalar_type()).contiguous(), r};
@@ -28,6 +31,7 @@ std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cuda(const at::Tensor& x, double e
 at::Tensor l2norm_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& rstd) {
   const char* op = "rlx::gated_delta_l2norm_bwd";
   check_x(op, x);
+  const at::AutoDispatchBelowADInplaceOrView below_autograd;
   const auto acc = gdn_acc_dtype(x.scalar_type());
   TORCH_CHECK(grad_y.sizes() == x.sizes() && grad_y.scalar_type() == x.scalar_type(), op,
               ": grad_y must have x's shape ", x.sizes(), " and dtype ", x.scalar_type(),

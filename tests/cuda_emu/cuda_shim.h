@@ -1,6 +1,7 @@
-// Just enough of CUDA's device built-ins to run csrc/cuda/gated_delta_*.cu kernels on a CPU:
-// one std::thread per CUDA thread, __syncthreads as a block barrier, warp shuffles through a
-// per-warp exchange with barriers, dynamic shared memory per block.
+// Just enough of CUDA's device built-ins to run the kernels of csrc/cuda/gated_delta_*.cu and
+// csrc/cuda/codebook_mma.cuh on a CPU: one std::thread per CUDA thread, __syncthreads as a block
+// barrier, warp shuffles and mma.sync through a per-warp exchange with barriers, dynamic shared
+// memory per block.
 #pragma once
 
 #include <algorithm>
@@ -32,6 +33,7 @@ namespace emu {
 struct Warp {
   std::barrier<> bar{32};
   double slots[32];
+  uint32_t frag_a[32][4], frag_b[32][2];  // mma operands of every lane
 };
 struct Block {
   std::barrier<>* bar;
@@ -61,6 +63,66 @@ T __shfl_xor_sync(unsigned, T v, int off) {
   w.bar.arrive_and_wait();
   return r;
 }
+
+struct uint2 {
+  uint32_t x, y;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+
+namespace emu {
+// IEEE binary16 and bfloat16 bit patterns <-> float (round to nearest even).
+inline float half_to_float(uint16_t u) {
+  _Float16 h;
+  std::memcpy(&h, &u, 2);
+  return static_cast<float>(h);
+}
+inline uint16_t float_to_half(float f) {
+  const _Float16 h = static_cast<_Float16>(f);
+  uint16_t u;
+  std::memcpy(&u, &h, 2);
+  return u;
+}
+inline float bf16_to_float(uint16_t u) {
+  const uint32_t w = uint32_t(u) << 16;
+  float f;
+  std::memcpy(&f, &w, 4);
+  return f;
+}
+inline uint16_t float_to_bf16(float f) {
+  uint32_t w;
+  std::memcpy(&w, &f, 4);
+  if (std::isnan(f)) return uint16_t((w >> 16) | 0x40);
+  w += 0x7fffu + ((w >> 16) & 1u);
+  return uint16_t(w >> 16);
+}
+
+// mma.sync.m16n8k16 (16-bit A and B, float32 C) for the calling warp, with the PTX ISA's
+// fragment layout: lane (g = lane / 4, t = lane % 4) holds A[g][2t, 2t+1], A[g+8][2t, 2t+1],
+// A[g][2t+8, 2t+9], A[g+8][2t+8, 2t+9] (a[0..3], low half first), B[2t, 2t+1][g],
+// B[2t+8, 2t+9][g] (b[0..1]) and C[g][2t, 2t+1], C[g+8][2t, 2t+1] (c[0..3]).
+template <class ToFloat>
+void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], ToFloat f) {
+  Warp& w = *(*block->warps)[tid.x / 32];
+  const int lane = tid.x % 32;
+  std::memcpy(w.frag_a[lane], a, sizeof(a));
+  std::memcpy(w.frag_b[lane], b, sizeof(b));
+  w.bar.arrive_and_wait();
+  auto elem = [](uint32_t reg, int k) { return uint16_t(reg >> (16 * (k & 1))); };
+  for (int i = 0; i < 4; ++i) {
+    const int row = lane / 4 + 8 * (i / 2), col = 2 * (lane % 4) + (i % 2);
+    float s = c[i];
+    for (int k = 0; k < 16; ++k) {
+      const uint32_t ar = w.frag_a[(row % 8) * 4 + (k % 8) / 2][(row / 8) + 2 * (k / 8)];
+      const uint32_t br = w.frag_b[col * 4 + (k % 8) / 2][k / 8];
+      s += f(elem(ar, k)) * f(elem(br, k));
+    }
+    c[i] = s;
+  }
+  w.bar.arrive_and_wait();
+}
+}  // namespace emu
 
 template <class T>
 T* dynamic_smem() {

@@ -1,0 +1,77 @@
+// Runs the tensor-core codebook forward (csrc/cuda/codebook_mma.cuh) on the CPU through
+// cuda_shim.h. tests/test_codebook_cuda_emulator.py drives it:
+//   codebook_emu DIR kind B N G M E has_scales has_bias fast_codes
+// kind 0: float16, 1: bfloat16. Reads DIR/{x,cb,scales,bias}.bin (16-bit patterns) and
+// DIR/idx.bin (uint8 [N][G][M]); writes DIR/out.bin (16-bit patterns, [B][N]).
+#include "cuda_shim.h"
+
+#define RLX_CUDA_EMULATION 1
+#include "codebook_mma.cuh"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+using namespace rlx::codebook::cuda;
+
+template <typename T>
+static std::vector<T> read(const std::string& path, size_t n) {
+  std::vector<T> v(n);
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) {
+    std::fprintf(stderr, "cannot read %zu items from %s\n", n, path.c_str());
+    std::exit(2);
+  }
+  std::fclose(f);
+  return v;
+}
+
+template <Bits16 kind, int NT, int M>
+static void run(const std::string& dir, int64_t B, int64_t N, int64_t G, int E, bool scales,
+                bool bias, bool fast) {
+  auto x = read<uint16_t>(dir + "/x.bin", size_t(B * G * 8));
+  auto idx = read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
+  auto cb = read<uint16_t>(dir + "/cb.bin", size_t(M * E * 8));
+  std::vector<uint16_t> s = scales ? read<uint16_t>(dir + "/scales.bin", size_t(N))
+                                   : std::vector<uint16_t>();
+  std::vector<uint16_t> b = bias ? read<uint16_t>(dir + "/bias.bin", size_t(N))
+                                 : std::vector<uint16_t>();
+  std::vector<uint16_t> out(size_t(B * N), uint16_t(0x7e00));  // NaN where nothing is written
+  const unsigned blocks = unsigned((N + kMmaTileRows - 1) / kMmaTileRows);
+  emu::launch(blocks, kMmaWarps * 32, mma_forward_smem(M, E, NT), [&] {
+    mma_forward_kernel<kind, NT, M>(x.data(), idx.data(), cb.data(),
+                                    scales ? s.data() : nullptr, bias ? b.data() : nullptr,
+                                    out.data(), B, N, G, E, fast);
+  });
+  FILE* f = std::fopen((dir + "/out.bin").c_str(), "wb");
+  std::fwrite(out.data(), 2, out.size(), f);
+  std::fclose(f);
+}
+
+template <Bits16 kind>
+static void dispatch(const std::string& dir, int64_t B, int64_t N, int64_t G, int M, int E,
+                     bool s, bool b, bool fast) {
+  if (B <= 8) {
+    M == 1 ? run<kind, 1, 1>(dir, B, N, G, E, s, b, fast) : run<kind, 1, 2>(dir, B, N, G, E, s, b, fast);
+  } else {
+    M == 1 ? run<kind, 2, 1>(dir, B, N, G, E, s, b, fast) : run<kind, 2, 2>(dir, B, N, G, E, s, b, fast);
+  }
+}
+
+int main(int argc, char** argv) {
+  if (argc != 11) {
+    std::fprintf(stderr, "usage: %s DIR kind B N G M E has_scales has_bias fast_codes\n", argv[0]);
+    return 2;
+  }
+  const std::string dir = argv[1];
+  const int kind = std::atoi(argv[2]);
+  const int64_t B = std::atoll(argv[3]), N = std::atoll(argv[4]), G = std::atoll(argv[5]);
+  const int M = std::atoi(argv[6]), E = std::atoi(argv[7]);
+  const bool s = std::atoi(argv[8]), b = std::atoi(argv[9]), fast = std::atoi(argv[10]);
+  if (kind == 0) {
+    dispatch<Bits16::kHalf>(dir, B, N, G, M, E, s, b, fast);
+  } else {
+    dispatch<Bits16::kBFloat16>(dir, B, N, G, M, E, s, b, fast);
+  }
+  return 0;
+}
