@@ -99,7 +99,7 @@ def bench_decode(prompt_len, new_tokens, repeats, device):
 
 def bench_layer(B, T, repeats, device):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(128, 2, 64).to(device)
+    layer = GatedDeltaNet(128, num_heads=2, head_dim=64, expand_v=1).to(device)
     x = torch.randn(B, T, 128, device=device, requires_grad=True)
 
     def step():

@@ -80,7 +80,7 @@ def test_vmap_and_vmap_of_grad_match_a_loop():
 
 def test_func_grad_of_the_layer_parameters():
     torch.manual_seed(0)
-    layer = GatedDeltaNet(8, 2, 4, num_v_heads=2).double()
+    layer = GatedDeltaNet(8, num_heads=2, head_dim=4, num_v_heads=2, expand_v=1).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     params = {n: p.detach() for n, p in layer.named_parameters()}
     got = torch.func.grad(

@@ -58,17 +58,18 @@ class GDNBlock(nn.Module):
         super().__init__()
         self.mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mixer = GatedDeltaNet(
-            config.hidden_size, config.num_heads, config.head_dim, num_v_heads=config.num_v_heads,
-            expand_v=config.expand_v, gate=config.gate, use_short_conv=config.use_short_conv,
-            conv_size=config.conv_size, use_output_gate=config.use_output_gate,
-            norm_eps=config.norm_eps, layer_idx=layer_idx,
+            config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
+            num_v_heads=config.num_v_heads, expand_v=config.expand_v, gate=config.gate,
+            use_short_conv=config.use_short_conv, conv_size=config.conv_size,
+            use_gate=config.use_output_gate, norm_eps=config.norm_eps, layer_idx=layer_idx,
         )
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.mlp_width())
 
     def forward(self, x, attention_mask=None, cu_seqlens=None, cache=None, use_cache=False):
-        mixed, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask,
-                                  cu_seqlens=cu_seqlens, cache=cache, use_cache=use_cache)
+        mixed, _, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask,
+                                     past_key_values=cache, use_cache=use_cache,
+                                     cu_seqlens=cu_seqlens)
         x = x + mixed
         return x + self.mlp(self.mlp_norm(x)), cache
 
