@@ -25,6 +25,8 @@ import torch
 
 from .cpu_features import symmetric_kernel_pays
 
+__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule"]
+
 Triple = tuple[float, float, float]
 
 # Keller Jordan's coefficients: maximise the slope at zero (muon.py, also torch.optim.Muon).
@@ -67,12 +69,18 @@ def _as_triple(value, what: str) -> Triple:
     return triple  # type: ignore[return-value]
 
 
-def resolve_schedule(ns_coefficients, ns_steps: int) -> Schedule:
+def resolve_schedule(ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
+                     ns_steps: int) -> Schedule:
     """Turns the user's `ns_coefficients` into exactly `ns_steps` triples.
 
     A preset name or a list of per-step triples shorter than `ns_steps` repeats its last triple
     (the final Polar Express polynomial is the one meant to be iterated); a longer list is cut.
     A single `(a, b, c)` is used for every step.
+
+    Example::
+
+        >>> resolve_schedule((3.0, -3.2, 1.2), 2)
+        Schedule(coefficients=((3.0, -3.2, 1.2), (3.0, -3.2, 1.2)), safety=1.0)
     """
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
@@ -153,6 +161,14 @@ def newton_schulz(
     (`uses_gram`). `normalized=True`: G is already in `dtype` and divided by its norm (and
     the schedule's safety factor), as `rlx::muon_ns_input` returns it; it is iterated on
     directly (never written). Makes no host-device synchronisation.
+
+    Example::
+
+        >>> G = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0))
+        >>> X = newton_schulz(G, resolve_schedule("keller", 5), 1e-7, torch.float32)
+        >>> S = torch.linalg.svdvals(X)  # Keller's schedule: singular values near 1
+        >>> X.shape, bool((S > 0.5).all() and (S < 1.5).all())
+        (torch.Size([3, 4, 6]), True)
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have >= 2 dims, got shape {tuple(G.shape)}")
