@@ -316,7 +316,7 @@ def test_torch_compile_fullgraph_with_packed_sequences():
 @pytest.mark.parametrize("name", ["gva_head", "channel_conv2"])
 def test_torch_compile_dynamic_shapes_with_packed_sequences(name):
     """fullgraph=True, dynamic=True with gradients over several packed lengths (the second
-    shape used to fail on the gated delta rule's layout arithmetic)."""
+    shape exercises the gated delta rule's layout arithmetic on symbolic sizes)."""
     torch._dynamo.reset()
     layer = make_layer(name, dtype=torch.float32)
     compiled = torch.compile(lambda t, c: layer(t, cu_seqlens=c)[0], fullgraph=True,

@@ -475,7 +475,7 @@ def _ns_input(grads, bufs, momentum, nesterov, counts, rows, cols) -> Tensor:
     aliases a momentum buffer, and p.grad is never written."""
     if grads[0].device.type == "cpu":
         # Written straight into one buffer: on CPU a foreach lerp into new tensors and a cat
-        # measured ~10x slower (24 x [1024, 256] fp32: 30 ms against 2.7 ms, one thread).
+        # is several times slower (docs/benchmarks.md, "Figures behind code choices").
         stacked = torch.empty((sum(counts), rows, cols), dtype=grads[0].dtype)
         for piece, g, b in zip(stacked.split(counts), grads, bufs, strict=True):
             if nesterov:

@@ -144,7 +144,8 @@ def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto") 
     if method != "auto":
         return method == "gram"
     small, large = sorted(shape[-2:])
-    # Only measured on CPU; CUDA and MPS keep the standard iteration until measured there.
+    # The Gram form is on only where benchmarks show it pays (CPU); CUDA and MPS keep the
+    # standard iteration.
     return device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
 
 
@@ -253,7 +254,8 @@ def _iterate(X, schedule, tall, products, method):
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
         if products.native:
             # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm first copies X into its
-            # result (8 x [256, 256] bf16, one thread: a 0.44 ms copy for a 1.2 ms product).
+            # result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
+            # code choices").
             P = products.sym(A, A, A, alpha=c, beta=b, diag=a)  # a·I + b·A + c·A²
             X = torch.bmm(X, P) if tall else torch.bmm(P, X)
         else:
