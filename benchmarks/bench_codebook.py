@@ -3,9 +3,9 @@
 Forward: rlx codebook_matmul vs ``x @ W.T`` (W the dense float32 weight, already built).
 Backward: rlx codebook_matmul_backward (dx + dcodebook) vs autograd through
 ``F.embedding(indices, codebook) -> x @ W.T`` (the dequantize+matmul training path, the graph
-built once and reused). Timings alternate between the peers so load changes hit both alike;
-ratios are baseline / rlx (> 1 means rlx is faster), from medians of wall-clock and of process
-CPU time. Prints one JSON line at the end.
+built once and reused). Timed with benchmarks/_timing.py (rounds alternate between the
+peers); ratios are baseline / rlx (> 1 means rlx is faster), from medians of wall-clock and
+of process CPU time. Prints the CPU (model, ISA features) first and one JSON line at the end.
 
     python benchmarks/bench_codebook.py [--rows 1 16 256] [--threads N] [--repeat 15]
     python benchmarks/bench_codebook.py --num-entries 65536 --rows 1 16   # 1x16 (int16 codes)
@@ -16,45 +16,32 @@ E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes store
 """
 
 import argparse
-import json
 import os
 import platform
-import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
-import rlx_torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import best_ms, cpu_summary, emit_json, median_ms, side_by_side  # noqa: E402
+
+import rlx_torch  # noqa: E402
 
 
 def paired_times(fns, repeat, warmup=2):
-    """Runs the callables alternately; returns per-callable lists of (wall, cpu) seconds.
-
-    cpu is the process CPU time (all threads): on a machine shared with other jobs it counts
-    the work done, where wall time also counts waiting for a core.
-    """
-    for _ in range(warmup):
-        for fn in fns:
-            fn()
-    times = [[] for _ in fns]
-    for _ in range(repeat):
-        for fn, out in zip(fns, times, strict=True):
-            wall, cpu = time.perf_counter(), time.process_time()
-            fn()
-            out.append((time.perf_counter() - wall, time.process_time() - cpu))
-    return times
+    """The samples of ``fns = [baseline, rlx]``, side by side (benchmarks/_timing.py)."""
+    samples = side_by_side({"baseline": fns[0], "rlx": fns[1]}, repeat, warmup=warmup)
+    return samples["baseline"], samples["rlx"]
 
 
 def summarize(name, base, ours):
     row = {}
-    for kind, col in (("wall", 0), ("cpu", 1)):
-        b = statistics.median(t[col] for t in base) * 1e3
-        o = statistics.median(t[col] for t in ours) * 1e3
+    for kind in ("wall", "cpu"):
+        b, o = median_ms(base, kind), median_ms(ours, kind)
         row[f"{kind}_ms_baseline"], row[f"{kind}_ms_rlx"] = b, o
         row[f"{kind}_ratio"] = b / o
-    row["wall_ratio_best"] = min(t[0] for t in base) / min(t[0] for t in ours)
+    row["wall_ratio_best"] = best_ms(base) / best_ms(ours)
     print(
         f"  {name:<30} wall {row['wall_ms_baseline']:8.2f} / {row['wall_ms_rlx']:7.2f} ms "
         f"= {row['wall_ratio']:5.2f}x (best {row['wall_ratio_best']:5.2f}x)   cpu "
@@ -90,6 +77,7 @@ def main():
         f"codebook_matmul N=K={n} D={d} E={e} M=1 codebook, threads={torch.get_num_threads()}, "
         f"indices {indices.dtype}, torch {torch.__version__}, {platform.machine()}"
     )
+    print(f"CPU: {cpu_summary()}")
     results = {}
     for rows in args.rows:
         print(f"rows={rows}")
@@ -130,9 +118,10 @@ def main():
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "rlx_torch": rlx_torch.__version__,
+        "cpu": cpu_summary(),
         "results": results,
     }
-    print(json.dumps(record))
+    emit_json(record)
 
 
 def main_device():

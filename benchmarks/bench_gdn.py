@@ -15,17 +15,17 @@ forward+backward counted as 3x the forward, the usual convention.
 """
 
 import argparse
-import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the in-place build
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cpu_summary, emit_json, median_ms, side_by_side  # noqa: E402
+
 import rlx_torch  # noqa: E402
 
 
@@ -62,36 +62,28 @@ def theirs_fn(hf):
 
 
 def timed(fns, args, backward, repeats):
-    """Median wall time (ms) of each fn(*args) (and its backward). The sides take turns,
-    each first on every other repeat, so that both see the same machine: the 2-core VM's
-    speed drifts by 20-30% within seconds, and timing one side's repeats after the other's
-    turned that drift into the ratio. Each timed call follows an untimed call of the same
-    function, so neither side is timed on caches the other has just filled with its own
-    data. As in a training loop, the output gradient is given and the inputs' .grad are
-    reset to None between calls (zero_grad(set_to_none=True)), so that neither the timing
-    nor the gradients include an accumulation into .grad from earlier calls."""
+    """Median wall time (ms) of each fn(*args) (and its backward), side by side
+    (benchmarks/_timing.py: alternating order, each timed call right after an untimed call of
+    the same function). As in a training loop, the output gradient is given and the inputs'
+    .grad are reset to None before every call (zero_grad(set_to_none=True)), so that neither
+    the timing nor the gradients include an accumulation into .grad from earlier calls."""
     grad_out = torch.ones_like(fns[0](*args)) if backward else None
 
     def once(fn):
-        out = fn(*args)
-        if backward:
-            out.backward(grad_out)
+        def run():
+            out = fn(*args)
+            if backward:
+                out.backward(grad_out)
+        return run
 
-    def zero_grad():
+    def zero_grad(_name):
         for t in args:
             t.grad = None
 
-    times = [[] for _ in fns]
-    for r in range(repeats):
-        order = list(range(len(fns)))
-        for i in (order if r % 2 == 0 else order[::-1]):
-            once(fns[i])
-            zero_grad()
-            t0 = time.perf_counter()
-            once(fns[i])
-            times[i].append((time.perf_counter() - t0) * 1e3)
-            zero_grad()
-    return [statistics.median(t) for t in times]
+    samples = side_by_side({i: once(fn) for i, fn in enumerate(fns)}, repeats, warmup=0,
+                           untimed_first=True, setup=zero_grad)
+    zero_grad(None)
+    return [median_ms(samples[i]) for i in range(len(fns))]
 
 
 def main():
@@ -116,6 +108,7 @@ def main():
         cases.append(("fwd", (1, 8192, 16, 128, 128), False, max(1, args.repeats // 3)))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"{platform.processor() or platform.machine()}")
+    print(f"CPU: {cpu_summary()}")
     results = []
     for mode, (B, T, H, K, V), backward, repeats in cases:
         inputs = make_inputs(B, T, H, K, V, backward)
@@ -135,8 +128,8 @@ def main():
         hf_text = f"hf {t_hf:9.1f} ms  speed-up {t_hf / t_ours:6.1f}x" if t_hf else "hf n/a"
         print(f"{mode:8s} {shape:32s} rlx {t_ours:8.1f} ms ({row['rlx_gflops']:.1f} GFLOP/s)"
               f"  {hf_text}")
-    print(json.dumps({"bench": "gated_delta_rule", "threads": torch.get_num_threads(),
-                      "results": results}))
+    emit_json({"bench": "gated_delta_rule", "threads": torch.get_num_threads(),
+               "cpu": cpu_summary(), "results": results})
 
 
 if __name__ == "__main__":

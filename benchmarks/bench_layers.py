@@ -9,21 +9,23 @@
 
     .venv/bin/python benchmarks/bench_layers.py [--repeats N] [--device cpu]
 
-Rounds alternate between the peers; the median counts. Prints ratios, then one JSON line.
+Timed with benchmarks/_timing.py (rounds alternate between the peers; the median counts).
+Prints the CPU (model, ISA features), the ratios, then one JSON line.
 """
 
 import argparse
-import json
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the in-place build
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cpu_summary, emit_json, median_ms  # noqa: E402
+from _timing import side_by_side as _side_by_side  # noqa: E402
+
 from rlx_torch.models import GDNConfig, GDNLanguageModel  # noqa: E402
 from rlx_torch.nn import GatedDeltaNet, ShortConvolution  # noqa: E402
 
@@ -37,18 +39,8 @@ def sync(device):
 
 def side_by_side(fns, repeats, device):
     """Median seconds of each callable; one call of each per round, in alternating order."""
-    times = {name: [] for name in fns}
-    for fn in fns.values():  # warm-up
-        fn()
-    for r in range(repeats):
-        order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
-        for name, fn in order:
-            sync(device)
-            start = time.perf_counter()
-            fn()
-            sync(device)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
+    samples = _side_by_side(fns, repeats, warmup=1, sync=lambda: sync(device))
+    return {name: median_ms(s) / 1e3 for name, s in samples.items()}
 
 
 def bench_conv(B, T, D, W, repeats, device):
@@ -99,7 +91,7 @@ def bench_decode(prompt_len, new_tokens, repeats, device):
 
 def bench_layer(B, T, repeats, device):
     torch.manual_seed(0)
-    layer = GatedDeltaNet(128, 2, 64).to(device)
+    layer = GatedDeltaNet(128, num_heads=2, head_dim=64, expand_v=1).to(device)
     x = torch.randn(B, T, 128, device=device, requires_grad=True)
 
     def step():
@@ -117,6 +109,7 @@ def main():
     device = torch.device(args.device)
     print(f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
           f"{torch.get_num_threads()} threads, device {device}")
+    print(f"CPU: {cpu_summary()}")
     convs = [bench_conv(16, 128, 128, 4, args.repeats, device),
              bench_conv(4, 1024, 512, 4, args.repeats, device)]
     for c in convs:
@@ -129,9 +122,9 @@ def main():
     layer = bench_layer(16, 128, args.repeats, device)
     print(f"GatedDeltaNet(128, 2 heads of 64) {layer['shape']} fwd+bwd: "
           f"{layer['fwd_bwd_ms']:.1f} ms ({layer['tokens_per_s']:,.0f} tokens/s)")
-    print(json.dumps({"bench": "layers", "device": str(device), "threads": torch.get_num_threads(),
-                      "torch": torch.__version__, "conv": convs, "decode": decode,
-                      "layer": layer}))
+    emit_json({"bench": "layers", "device": str(device), "threads": torch.get_num_threads(),
+               "torch": torch.__version__, "cpu": cpu_summary(), "conv": convs,
+               "decode": decode, "layer": layer})
 
 
 if __name__ == "__main__":

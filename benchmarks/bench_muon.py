@@ -3,24 +3,25 @@
 GPT-like parameter sets: per layer 4 x [d, d] (attention), [4d, d], [d, 4d], [4d, d] (MLP).
 Both optimizers get equal settings (lr, momentum, Nesterov, weight decay, Keller coefficients,
 5 steps, "original" lr adjustment, bf16 Newton–Schulz as torch.optim.Muon always uses) and
-step the same params and grads. Rounds alternate between the two so that load from other
-processes hits both alike; the median round counts. Prints a table, the ratios and one JSON
-line.
+step the same params and grads. Timed with benchmarks/_timing.py: rounds alternate between
+the contenders so that load from other processes hits all alike; the median round counts.
+Prints the CPU (model, ISA features), a table, the ratios and one JSON line.
 
     python benchmarks/bench_muon.py                      # CPU: 12 layers at d=256
     python benchmarks/bench_muon.py --device cuda        # d=768 x 12 and d=2048 x 24
 """
 
 import argparse
-import json
 import platform
-import statistics
 import sys
 import time
 import types
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import emit_json, median_ms, side_by_side  # noqa: E402
 
 try:
     from rlx_torch.optim import Muon
@@ -79,11 +80,10 @@ def bench_set(d: int, layers: int, device: str, rounds: int, steps: int) -> dict
         contenders["rlx Muon (default NS dtype)"] = Muon(params, **settings)
     for opt in contenders.values():  # warm-up: state allocation, kernels, allocator
         time_steps(opt, 2, device)
-    times = {name: [] for name in contenders}
-    for _ in range(rounds):
-        for name, opt in contenders.items():
-            times[name].append(time_steps(opt, steps, device))
-    medians = {name: statistics.median(t) for name, t in times.items()}
+    samples = side_by_side({name: (lambda opt=opt: [opt.step() for _ in range(steps)])
+                            for name, opt in contenders.items()}, rounds, warmup=0,
+                           sync=lambda: sync(device))
+    medians = {name: median_ms(s) / 1e3 / steps for name, s in samples.items()}
     base = medians["torch.optim.Muon"]
     result = dict(
         d=d, layers=layers, matrices=len(params),
@@ -137,8 +137,8 @@ def main() -> None:
             ratio = r["speedup"].get(name)
             tail = f"  {ratio:.2f}x faster than torch.optim.Muon" if ratio else ""
             print(f"  {name:<30} {ms:10.2f} ms/step{tail}")
-    print(json.dumps(dict(bench="muon", device=args.device, machine=machine,
-                          torch=torch.__version__, kernels=kernels, results=results)))
+    emit_json(dict(bench="muon", device=args.device, machine=machine,
+                   torch=torch.__version__, kernels=kernels, results=results))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ Sharded params (FSDP2: each rank holds 1/world of every param and gradient):
 - all-gather then redundant NS (Moonlight's scheme): the same with rlx Muon;
 - rlx DistributedMuon on DTensor shards (Shard(0) on a 1-D mesh, as fully_shard leaves them):
   one all-to-all per round gathers whole matrices onto owners, one sends the results back.
-The step time is the slowest rank's (a barrier closes each step), median of the rounds; bytes
+The step time is the slowest rank's (a barrier closes each step), median of the rounds
+(benchmarks/_timing.py, rounds alternating between the contenders); bytes
 are those a rank receives per step (mean and max over the ranks). Prints a table, the
 scaling and one JSON line.
 
@@ -19,19 +20,21 @@ scaling and one JSON line.
 """
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import tempfile
-import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlx_torch.optim import Muon
-from rlx_torch.optim.cpu_features import cpu_features
-from rlx_torch.optim.distributed import DistributedMuon
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import emit_json, median_ms, side_by_side  # noqa: E402
+
+from rlx_torch.optim import Muon  # noqa: E402
+from rlx_torch.optim.cpu_features import cpu_features  # noqa: E402
+from rlx_torch.optim.distributed import DistributedMuon  # noqa: E402
 
 
 def gpt_params(d: int, layers: int) -> list[torch.nn.Parameter]:
@@ -104,27 +107,20 @@ def _worker(rank, world, tmp, d, layers, rounds, steps, threads, queue):
             sharded_params(d, layers, mesh), **settings),
     }
     opts = {name: make() for name, make in contenders.items()}
-    times = {name: [] for name in opts}
     for opt in opts.values():  # warm-up
         opt.step()
-    for _ in range(rounds):
-        for name, opt in opts.items():
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(steps):
-                opt.step()
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) / steps)
+    samples = side_by_side({name: (lambda opt=opt: [opt.step() for _ in range(steps)])
+                            for name, opt in opts.items()}, rounds, warmup=0, sync=dist.barrier)
     received = {}
     for name, opt in opts.items():  # bytes each rank received in its last step
         gathered = [None] * world
         dist.all_gather_object(gathered, getattr(opt, "last_step_bytes", 0))
         received[name] = gathered
     if rank == 0:
-        queue.put({name: dict(ms=statistics.median(t) * 1e3,
+        queue.put({name: dict(ms=median_ms(s) / steps,
                               bytes=statistics.mean(received[name]),
                               bytes_max=max(received[name]))
-                   for name, t in times.items()})
+                   for name, s in samples.items()})
     dist.barrier()
     dist.destroy_process_group()
 
@@ -161,10 +157,10 @@ def main() -> None:
                      "sharded: all-gather + redundant NS"):
             print(f"  {name[9:]} / sharded rlx DistributedMuon: "
                   f"{results[world][name]['ms'] / ours:5.2f}x (> 1: rlx faster)")
-    print(json.dumps(dict(bench="muon_distributed", cpu=cpu_features().summary(),
-                          torch=torch.__version__, d=args.d, layers=args.layers,
-                          threads_per_rank=args.threads,
-                          results={str(w): r for w, r in results.items()})))
+    emit_json(dict(bench="muon_distributed", cpu=cpu_features().summary(),
+                   torch=torch.__version__, d=args.d, layers=args.layers,
+                   threads_per_rank=args.threads,
+                   results={str(w): r for w, r in results.items()}))
 
 
 if __name__ == "__main__":

@@ -10,17 +10,13 @@ plain-PyTorch fallback, side by side in one process (CPU, float32).
    transformers' ``torch_chunk_gated_delta_rule`` vs the function ``enable()`` puts in its
    place.
 
-Both sides are checked to agree first. The sides take turns, each first on every other
-repeat, and every timed call follows an untimed one of the same side (the harness of
-benchmarks/bench_gdn.py). Prints the CPU, the times and ratios, then one JSON line.
+Both sides are checked to agree first. Timed with benchmarks/_timing.py: the sides take
+turns, each first on every other repeat, and every timed call follows an untimed one of the
+same side. Prints the CPU (model, ISA features), the times and ratios, then one JSON line.
 """
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -28,24 +24,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the in-place build
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import cpu_summary, emit_json, median_ms, side_by_side  # noqa: E402
 from bench_gdn import timed  # noqa: E402
 
 import rlx_torch.integrations.transformers as rlx_hf  # noqa: E402
-
-
-def cpu_description() -> str:
-    name, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("", platform.machine()):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "amx_tile")
-           if f in flags]
-    return f"{name} ({' '.join(isa) or 'ISA flags unknown'})"
 
 
 def small_qwen3_next():
@@ -66,17 +48,11 @@ def time_model(model, ids, repeats):
         model.zero_grad(set_to_none=True)
         model(ids, labels=ids).loss.backward()
 
-    sides = [rlx_hf.disable, lambda: rlx_hf.enable(import_families=False)]
-    times = [[], []]
-    for r in range(repeats):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-            sides[i]()
-            step()  # untimed: same side, same caches
-            t0 = time.perf_counter()
-            step()
-            times[i].append((time.perf_counter() - t0) * 1e3)
+    sides = {"fallback": rlx_hf.disable, "rlx": lambda: rlx_hf.enable(import_families=False)}
+    samples = side_by_side({"fallback": step, "rlx": step}, repeats, warmup=0,
+                           untimed_first=True, setup=lambda name: sides[name]())
     rlx_hf.disable()
-    return [statistics.median(t) for t in times]
+    return [median_ms(samples["fallback"]), median_ms(samples["rlx"])]
 
 
 def main():
@@ -88,7 +64,7 @@ def main():
         torch.set_num_threads(args.threads)
     import transformers
     import transformers.models.qwen3_next.modeling_qwen3_next as qwen
-    print(f"{cpu_description()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    print(f"{cpu_summary()}; torch {torch.__version__}, {torch.get_num_threads()} threads, "
           f"transformers {transformers.__version__}")
 
     model = small_qwen3_next()
@@ -130,10 +106,10 @@ def main():
                       rlx_ms=round(k_rlx, 1), speedup=round(k_fb / k_rlx, 2))
     print(f"kernel fwd+bwd B=1 T=2048 H=4 K=V=128  fallback {k_fb:9.1f} ms  rlx {k_rlx:8.1f} "
           f"ms  speed-up {k_fb / k_rlx:5.2f}x  (target >= 20x)")
-    print(json.dumps({"bench": "transformers", "cpu": cpu_description(),
-                      "threads": torch.get_num_threads(), "torch": torch.__version__,
-                      "transformers": transformers.__version__, "model_fwd_bwd": model_row,
-                      "gated_delta_rule_fwd_bwd": kernel_row}))
+    emit_json({"bench": "transformers", "cpu": cpu_summary(),
+               "threads": torch.get_num_threads(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "model_fwd_bwd": model_row,
+               "gated_delta_rule_fwd_bwd": kernel_row})
 
 
 if __name__ == "__main__":

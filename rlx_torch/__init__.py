@@ -1,4 +1,16 @@
-"""rlx_torch: codebook matmul, gated delta rule and Muon for PyTorch (MPS, CPU, CUDA)."""
+"""rlx_torch: codebook matmul, gated delta rule and Muon for PyTorch.
+
+Native kernels on CPU and Apple Silicon (MPS); on CUDA for codebook matmul, and for the gated
+delta rule only with ``RLX_CUDA_GATED_DELTA=1`` set (opt-in). Muon is built from torch ops and
+runs on every device.
+
+Example::
+
+    >>> o, _ = rlx_torch.gated_delta_rule(*torch.randn(3, 1, 8, 2, 4).unbind(0),
+    ...                                   torch.zeros(1, 8, 2), torch.rand(1, 8, 2))
+    >>> o.shape
+    torch.Size([1, 8, 2, 4])
+"""
 
 from ._loader import load_extension
 

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from .data import DEMO_CORPUS, read_bytes
 from .models import GDNConfig, GDNLanguageModel
 
+__all__ = ["main"]
+
 LN2 = math.log(2.0)
 PROMPT = "And God said"
 
@@ -139,7 +141,7 @@ def pick_device(choice: str) -> torch.device:
 def pick_threads(requested: int | None) -> int:
     """Intra-op threads for CPU work. On a busy machine, threads that wait for a descheduled
     peer at every one of the thousands of small ops per step make training several times
-    slower than one thread (measured 7-11x on 2 cores with a load average of 4), so by default
+    slower than one thread (docs/benchmarks.md, "Figures behind code choices"), so by default
     only the cores that the 1-minute load average leaves idle are used."""
     if requested is not None:
         return requested
@@ -286,7 +288,16 @@ def sample_text(model, device, n_bytes, seed) -> str:
 
 
 # ---------------------------------------------------------------- main
-def main(argv=None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
+    """Runs the demo with the command-line arguments ``argv`` (default: ``sys.argv[1:]``) and
+    returns the summary it writes to ``summary.json``.
+
+    Example::
+
+        >>> summary = main(["--steps", "20", "--out", "/tmp/rlx_demo"])  # doctest: +SKIP
+        >>> summary["trained_bpb"] < summary["unigram_bpb"]  # doctest: +SKIP
+        True
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     config = GDNConfig(hidden_size=args.hidden_size, num_layers=args.layers,

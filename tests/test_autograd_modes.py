@@ -80,7 +80,7 @@ def test_vmap_and_vmap_of_grad_match_a_loop():
 
 def test_func_grad_of_the_layer_parameters():
     torch.manual_seed(0)
-    layer = GatedDeltaNet(8, 2, 4, num_v_heads=2).double()
+    layer = GatedDeltaNet(8, num_heads=2, head_dim=4, num_v_heads=2, expand_v=1).double()
     x = torch.randn(2, 5, 8, dtype=torch.float64)
     params = {n: p.detach() for n, p in layer.named_parameters()}
     got = torch.func.grad(
@@ -172,8 +172,8 @@ def raw_backward_args(per_channel=False):
 
 @pytest.mark.parametrize("which", ["q", "k", "v", "g", "beta", "initial_state"])
 def test_raw_forward_op_rejects_tangents(which):
-    """torch.ops.rlx.gated_delta_fwd called directly with dual tensors used to return
-    outputs without tangents (zeros to torch.func.jvp); its autograd kernel now raises."""
+    """torch.ops.rlx.gated_delta_fwd called directly with dual tensors raises (outputs
+    without tangents would be zeros to torch.func.jvp, a silent wrong answer)."""
     args = list(inputs())
     index = ("q", "k", "v", "g", "beta", "initial_state").index(which)
     with fwAD.dual_level(), pytest.raises(RuntimeError, match=f"{RAW_FWD}.*inputs {which} "):
@@ -237,8 +237,8 @@ def test_raw_ops_double_backward_raises():
     o, _, _, _ = raw_forward(*leaves)
     with pytest.raises(RuntimeError, match=DOUBLE_BACKWARD):
         torch.autograd.grad(o.sum(), leaves[0], create_graph=True)
-    # The backward op's output is not differentiable: differentiating it raises (it used to
-    # be a constant to autograd, with a warning at most).
+    # The backward op's output is not differentiable: differentiating it raises (rather than
+    # treating it as a constant, a silently wrong second derivative).
     args = raw_backward_args()
     args[9] = args[9].requires_grad_()  # grad_o
     packed = torch.ops.rlx.gated_delta_bwd(*args)

@@ -111,8 +111,8 @@ def test_checkpoint_slots_match_the_header():
 
 @pytest.mark.parametrize("where", ["k", "v", "g", "beta", "initial_state", "cu_seqlens"])
 def test_mixed_meta_and_cpu_inputs_are_rejected(where):
-    """One meta tensor among CPU ones used to select the meta kernel, which returned CPU
-    tensors of uninitialized memory; every path now rejects it."""
+    """One meta tensor among CPU ones would select the meta kernel, which returns CPU-looking
+    tensors of uninitialized memory: every path rejects it."""
     q, k, v, g, beta, h0, cu = make(1, 12, 2, 2, 4, 3, False, True, [0, 5, 12])
     named = dict(k=k, v=v, g=g, beta=beta, initial_state=h0, cu_seqlens=cu)
     named[where] = named[where].to("meta")
@@ -199,8 +199,8 @@ def _forward(chunk, eps=None, T=128):
 
 
 def test_backward_rejects_checkpoints_of_another_forward():
-    """chunk_size 64 and 65 at T = 128 give the same slot count: the backward used to
-    return wrong gradients for checkpoints of the other one; l2norm_eps alike."""
+    """chunk_size 64 and 65 at T = 128 give the same slot count: checkpoints of the other one
+    would give wrong gradients, so the backward rejects them; l2norm_eps alike."""
     inputs, o, ht, ckpt, vw = _forward(64)
     go, gh = torch.randn_like(o), torch.randn_like(ht)
     _, _, _, ckpt65, _ = _forward(65)

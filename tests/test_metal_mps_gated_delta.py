@@ -69,7 +69,7 @@ def test_forward_matches_cpu(case, dtype):
 
 def test_backward_rejects_checkpoints_of_another_forward():
     """As on the CPU: chunk_size 10 and 11 at T = 20 give the same slot count, and checkpoints
-    of the other one (or of no forward) used to give wrong gradients instead of an error.
+    of the other one (or of no forward) would give wrong gradients: they raise instead.
     Checkpoints carry the CPU op's tag, so they pass between the CPU and MPS ops."""
     p = Problem(B=1, T=20, H=1, HV=2, K=8, V=4, initial_state=True, chunk=10, seed=9)
     args = [to_mps(t) for t in (p.q, p.k, p.v, p.g, p.beta)]

@@ -136,7 +136,8 @@ def test_quantize_mlp_swaps_linears_for_codebooks():
 
 def test_torch_compile_dynamic_shapes_forward_and_backward():
     """fullgraph=True, dynamic=True with gradients over several sequence lengths and batch
-    sizes (the second shape used to fail on the gated delta rule's layout arithmetic)."""
+    sizes (the second shape exercises the gated delta rule's layout arithmetic on symbolic
+    sizes)."""
     torch._dynamo.reset()
     model = tiny_model(num_layers=1)
     compiled = torch.compile(model, fullgraph=True, dynamic=True)

@@ -1,4 +1,6 @@
-"""rlx_torch.optim.Muon: parity with torch.optim.Muon, batching, shapes, AdamW side, edge cases."""
+"""rlx_torch.optim.Muon: parity with torch.optim.Muon, batching, shapes, AdamW side, edge cases.
+(Newton–Schulz: tests/test_newton_schulz.py; param groups: tests/test_param_groups.py; the fused
+CPU ops: tests/test_muon_update.py.)"""
 
 import copy
 import importlib
@@ -14,26 +16,13 @@ from torch import nn
 
 import rlx_torch
 from rlx_torch.ops import reference
-from rlx_torch.optim import Muon, muon_param_groups, newton_schulz, resolve_schedule
+from rlx_torch.optim import Muon, muon_param_groups, resolve_schedule
 from rlx_torch.optim import muon as muon_module
+from tests.ns_reference import KELLER, reference_ns
+from tests.test_param_groups import TinyLM
 
 # The package re-exports the function `newton_schulz` under its module's name.
 ns_module = importlib.import_module("rlx_torch.optim.newton_schulz")
-
-KELLER = (3.4445, -4.7750, 2.0315)
-
-
-def reference_ns(G, coefficients, eps=1e-7, safety=1.0):
-    """Plain per-matrix Newton–Schulz in float64 (the test oracle)."""
-    X = G.double()
-    if X.shape[0] > X.shape[1]:
-        return reference_ns(G.mT, coefficients, eps, safety).mT
-    X = X / max(X.norm().item() * safety, eps)
-    for a, b, c in coefficients:
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X
-
 
 def small_mlp():
     torch.manual_seed(0)
@@ -134,50 +123,6 @@ def test_adamw_side_matches_torch_adamw_exactly():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
-# ---- Newton–Schulz ----
-
-
-@pytest.mark.parametrize("shape", [(1, 1), (5, 3), (3, 5), (17, 17), (2, 9, 4), (0, 4, 4)])
-def test_batched_newton_schulz_matches_per_matrix_reference(shape):
-    G = torch.randn(*shape, dtype=torch.float64)
-    steps = resolve_schedule("keller", 5)
-    out = newton_schulz(G, steps, 1e-7, torch.float64)
-    assert out.shape == G.shape and out.dtype == torch.float64
-    mats = G.reshape(-1, *shape[-2:])
-    for i, m in enumerate(mats):
-        torch.testing.assert_close(out.reshape(-1, *shape[-2:])[i], reference_ns(m, [KELLER] * 5))
-
-
-@pytest.mark.parametrize("preset, low, high", [("keller", 0.6, 1.2), ("polar_express", 0.8, 1.2)])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-def test_newton_schulz_orthogonalizes(preset, low, high, dtype):
-    G = torch.randn(4, 24, 40)
-    sv = torch.linalg.svdvals(newton_schulz(G, resolve_schedule(preset, 5), 1e-7, dtype).double())
-    assert low < sv.min() and sv.max() < high, (sv.min(), sv.max())
-
-
-def test_coefficient_schedules():
-    assert resolve_schedule("keller", 3).coefficients == (KELLER,) * 3
-    pe = resolve_schedule("polar_express", 7)
-    assert len(pe.coefficients) == 7 and pe.safety == 1.02
-    assert pe.coefficients[5] == pe.coefficients[6] == pe.coefficients[4]
-    assert pe.coefficients[0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
-    custom = resolve_schedule([(3.0, -3.0, 1.0), (2.0, -1.5, 0.5)], 3)
-    assert custom.coefficients == ((3.0, -3.0, 1.0), (2.0, -1.5, 0.5), (2.0, -1.5, 0.5))
-    assert resolve_schedule((1.5, -0.5, 0.0), 2).coefficients == ((1.5, -0.5, 0.0),) * 2
-    assert resolve_schedule("polar_express", 2).coefficients == pe.coefficients[:2]
-
-
-def test_polar_express_step_matches_reference_with_safety_factor():
-    p = nn.Parameter(torch.randn(6, 10, dtype=torch.float64))
-    start = p.detach().clone()
-    p.grad = torch.randn_like(p)
-    Muon([p], lr=0.1, ns_coefficients="polar_express", nesterov=False, momentum=0.0).step()
-    expected = reference_ns(p.grad, resolve_schedule("polar_express", 5).coefficients,
-                            safety=1.02)
-    torch.testing.assert_close(p.detach(), start - 0.1 * expected)
-
-
 def record_newton_schulz_batches(monkeypatch):
     """Returns a list that collects the shape of every batch Muon hands to newton_schulz."""
     seen = []
@@ -199,110 +144,6 @@ def test_same_shape_matrices_are_orthogonalized_in_one_batch(monkeypatch):
         p.grad = torch.randn_like(p)
     Muon(params).step()
     assert sorted(seen) == [(2, 16, 8), (6, 8, 8)]
-
-
-# ---- Gram Newton–Schulz (CPU, aspect ratio >= 2) ----
-
-
-def test_gram_restart_schedule():
-    def restarts(preset, steps):
-        return ns_module.gram_restarts(resolve_schedule(preset, steps).coefficients)
-
-    assert restarts("keller", 3) == ()
-    assert restarts("keller", 5) == (3,)
-    assert restarts("keller", 8) == (3, 5, 7)
-    assert restarts("polar_express", 5) == (2, 4)
-
-
-def test_gram_form_is_chosen_per_shape_and_device():
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert ns_module.uses_gram((256, 1024), cpu) and ns_module.uses_gram((3, 1024, 256), cpu)
-    assert not ns_module.uses_gram((256, 256), cpu)
-    assert not ns_module.uses_gram((300, 512), cpu)  # aspect < 2: the standard form is cheaper
-    assert not ns_module.uses_gram((256, 1024), cuda)  # CUDA keeps the standard iteration
-    assert ns_module.uses_gram((8, 8), cpu, "gram")
-    assert not ns_module.uses_gram((8, 64), cpu, "standard")
-    with pytest.raises(ValueError, match="method"):
-        ns_module.uses_gram((8, 64), cpu, "fast")
-
-
-@pytest.mark.parametrize("shape", [(3, 8, 40), (3, 40, 8), (2, 16, 33), (1, 5, 5)])
-@pytest.mark.parametrize("preset, steps", [("keller", 5), ("polar_express", 5), ("keller", 8)])
-def test_gram_form_equals_standard_iteration_in_float64(shape, preset, steps):
-    G = torch.randn(*shape, dtype=torch.float64)
-    schedule = resolve_schedule(preset, steps)
-    gram = newton_schulz(G, schedule, 1e-7, torch.float64, method="gram")
-    standard = newton_schulz(G, schedule, 1e-7, torch.float64, method="standard")
-    assert gram.shape == G.shape
-    torch.testing.assert_close(gram, standard, rtol=1e-9, atol=1e-9)
-
-
-def hard_gradients(m, n, count=4):
-    """Random and gradient-like inputs: decaying spectra, near low rank, one dominant direction."""
-    gen = torch.Generator().manual_seed(0)
-    k = min(m, n)
-    u = torch.linalg.qr(torch.randn(count, m, k, generator=gen))[0]
-    v = torch.linalg.qr(torch.randn(count, n, k, generator=gen))[0]
-    i = torch.arange(1, k + 1, dtype=torch.float32)
-    low = torch.randn(count, m, 4, generator=gen) @ torch.randn(count, 4, n, generator=gen)
-    spike = torch.randn(count, m, 1, generator=gen) @ torch.randn(count, 1, n, generator=gen)
-    return {
-        "gaussian": torch.randn(count, m, n, generator=gen),
-        "power law": u @ torch.diag_embed(i**-1.5) @ v.mT,
-        "exponential": u @ torch.diag_embed(torch.exp(-i / 10)) @ v.mT,
-        "rank 4 + noise": low + 1e-3 * low.std() * torch.randn(count, m, n, generator=gen),
-        "rank-1 dominant": 100 * spike + torch.randn(count, m, n, generator=gen),
-    }
-
-
-def bf16_gram_failures(shape, schedule):
-    """Inputs where the bf16 Gram form is clearly worse than the bf16 standard iteration."""
-    inputs = hard_gradients(*shape)
-    # The largest singular value may exceed the standard iteration's by the Gram form's own
-    # bf16 excursions (measured 0.066 on x86 and 0.10 on Arm, where both iterations are
-    # otherwise alike) plus the platform's bf16 noise: how far the standard iteration's
-    # largest singular value moves between float32 and bf16, amplified as R's rounding is
-    # within a phase (eigenvalues of R by at most GRAM_MAX_GROWTH, so singular values by its
-    # square root). A run without restarts overshoots by factors of 10 and more.
-    def top_sv(G, dtype):
-        out = newton_schulz(G, schedule, 1e-7, dtype, method="standard").double()
-        return torch.linalg.svdvals(out).max().item()
-
-    spread = max(abs(top_sv(G, torch.bfloat16) - top_sv(G, torch.float32))
-                 for G in inputs.values())
-    sv_margin = 0.1 + math.sqrt(ns_module.GRAM_MAX_GROWTH) * spread
-    failures = []
-    for name, G in inputs.items():
-        exact = torch.stack(
-            [reference_ns(g, schedule.coefficients, safety=schedule.safety) for g in G]
-        )
-        result = {}
-        for method in ("standard", "gram"):
-            out = newton_schulz(G, schedule, 1e-7, torch.bfloat16, method=method).double()
-            if not torch.isfinite(out).all():
-                result[method] = (math.inf, math.inf)
-                continue
-            err = ((out - exact).norm(dim=(-2, -1)) / exact.norm(dim=(-2, -1))).max().item()
-            result[method] = (err, torch.linalg.svdvals(out).max().item())
-        (std_err, std_sv), (gram_err, gram_sv) = result["standard"], result["gram"]
-        # bf16 NS itself is far from exact on ill-conditioned inputs (errors up to ~0.7 here);
-        # the Gram form may differ by rounding, not by more.
-        if not (gram_err <= 1.5 * std_err + 0.05 and gram_sv <= std_sv + sv_margin):
-            failures.append((name, result))
-    return failures
-
-
-@pytest.mark.parametrize("shape", [(64, 256), (256, 64)])
-@pytest.mark.parametrize("preset, steps", [("keller", 5), ("polar_express", 5), ("keller", 8)])
-def test_gram_form_in_bf16_is_as_accurate_as_the_standard_iteration(shape, preset, steps):
-    assert bf16_gram_failures(shape, resolve_schedule(preset, steps)) == []
-
-
-def test_gram_form_in_bf16_fails_the_accuracy_check_without_restarts(monkeypatch):
-    # Shows the check above can fail: without restarts rounding makes R indefinite and the
-    # iteration blows up.
-    monkeypatch.setattr(ns_module, "gram_restarts", lambda coefficients: ())
-    assert bf16_gram_failures((64, 256), resolve_schedule("keller", 5)) != []
 
 
 def test_muon_step_takes_the_gram_form_for_wide_and_tall_params_on_cpu(monkeypatch):
@@ -658,57 +499,7 @@ def test_sparse_grad_raises():
         Muon([p]).step()
 
 
-# ---- param groups ----
-
-
-class TinyLM(nn.Module):
-    def __init__(self, vocab=11, d=8):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(
-            nn.ModuleDict(dict(norm=nn.LayerNorm(d), mlp=nn.Linear(d, 2 * d),
-                               proj=nn.Linear(2 * d, d, bias=False)))
-            for _ in range(2)
-        )
-        self.conv = nn.Conv1d(d, d, 3)
-        self.experts = nn.Parameter(torch.randn(4, d, d))
-        self.lm_head = nn.Linear(d, vocab, bias=False)
-        self.frozen = nn.Parameter(torch.randn(d, d), requires_grad=False)
-
-
-def test_muon_param_groups_conventional_split():
-    model = TinyLM()
-    groups = muon_param_groups(model, lr=0.03, adamw_lr=1e-3, momentum=0.9)
-    muon_group, adamw_group = groups
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    muon_names = sorted(name_of[id(p)] for p in muon_group["params"])
-    assert muon_names == sorted(["blocks.0.mlp.weight", "blocks.0.proj.weight",
-                                 "blocks.1.mlp.weight", "blocks.1.proj.weight",
-                                 "conv.weight", "experts"])
-    assert muon_group["use_muon"] and muon_group["lr"] == 0.03 and muon_group["momentum"] == 0.9
-    assert not adamw_group["use_muon"] and adamw_group["lr"] == 1e-3
-    adamw_names = {name_of[id(p)] for p in adamw_group["params"]}
-    assert {"embed.weight", "lm_head.weight", "blocks.0.norm.weight", "blocks.0.mlp.bias",
-            "conv.bias"} <= adamw_names and "frozen" not in adamw_names
-
-    Muon(groups).step()  # valid as is
-
-
-def test_muon_param_groups_overrides_and_tied_weights():
-    model = TinyLM()
-    model.lm_head.weight = model.embed.weight  # tied: one param, on the AdamW side by default
-    default = muon_param_groups(model, head_names=())
-    assert id(model.embed.weight) not in {id(p) for p in default[0]["params"]}
-    groups = muon_param_groups(model, adamw_names=[r"^conv\."], muon_names=["lm_head"],
-                               head_names=())
-    muon_ids = {id(p) for p in groups[0]["params"]}
-    assert id(model.conv.weight) not in muon_ids
-    assert id(model.embed.weight) in muon_ids  # forced by one of its names
-    total = sum(len(g["params"]) for g in groups)
-    assert total == len({id(p) for p in model.parameters() if p.requires_grad})
-
-
-# ---- acceptance (seed): a codebook layer trained with Muon ----
+# ---- acceptance: a codebook layer trained with Muon ----
 
 
 def _devices():
@@ -763,8 +554,8 @@ def test_codebook_layer_trains_with_muon(device):
 @pytest.mark.parametrize("device", [d for d in _devices() if d != "cpu"] or [
     pytest.param("accelerator", marks=pytest.mark.skip(reason="needs CUDA or MPS"))])
 def test_codebook_layer_trains_with_muon_on_device_with_reference_op(device):
-    # Muon's side of the acceptance test on accelerators whose rlx kernel may not exist yet:
-    # the same loop, all on the device, through the plain-PyTorch reference op.
+    # Muon's side of the acceptance test on accelerators, whether or not the rlx op has a kernel
+    # there: the same loop, all on the device, through the plain-PyTorch reference op.
     _train_codebook_layer(reference.codebook_matmul, device)
 
 
@@ -850,52 +641,3 @@ def test_non_contiguous_params_and_grads_take_the_op_by_op_path():
     Muon(twins, weight_decay=0.1).step()  # contiguous: the fused path
     for a, b in zip((p, q), twins, strict=True):
         torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-5)
-
-
-def test_fused_ops_opcheck_and_reference():
-    g = [torch.randn(6, 10), torch.randn(2, 6, 10)]
-    b = [torch.randn(6, 10), torch.randn(2, 6, 10)]
-    b_ref = [t.clone() for t in b]
-    X = torch.ops.rlx.muon_ns_input(g, b, 6, 10, 0.9, True, 1e-7, 1.02, torch.float32)
-    for t, gt in zip(b_ref, g, strict=True):
-        t.lerp_(gt, 0.1)
-    torch.testing.assert_close(b, b_ref)
-    u = torch.cat([gt.lerp(bt, 0.9).reshape(-1, 6, 10) for gt, bt in zip(g, b_ref, strict=True)])
-    expected = u / (1.02 * u.norm(dim=(-2, -1), keepdim=True))
-    torch.testing.assert_close(X, expected)
-    p = [torch.randn(6, 10), torch.randn(2, 6, 10)]
-    p_ref = [t.clone() for t in p]
-    torch.ops.rlx.muon_apply_(p, X, 0.1, 0.5, 2.0)
-    torch.testing.assert_close(p[0], p_ref[0] * 0.95 - 0.2 * X[0])
-    torch.testing.assert_close(p[1], p_ref[1] * 0.95 - 0.2 * X[1:])
-    torch.library.opcheck(torch.ops.rlx.muon_ns_input.default,
-                          ([t.clone() for t in g], [t.clone() for t in b], 6, 10, 0.9, False,
-                           1e-7, 1.0, torch.bfloat16))
-    torch.library.opcheck(torch.ops.rlx.muon_apply_.default,
-                          ([t.clone() for t in p], X.bfloat16(), 0.1, 0.5, 2.0))
-
-
-@pytest.mark.parametrize(
-    "call, message",
-    [
-        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 9)], 6, 10,
-                                             0.9, True, 1e-7, 1.0, torch.float32),
-         "bufs\\[0\\] must have shape"),
-        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10).double()],
-                                             [torch.randn(6, 10)], 6, 10, 0.9, True, 1e-7, 1.0,
-                                             torch.float32),
-         "grads\\[0\\] must be a contiguous float32"),
-        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 10)], 4, 4,
-                                             0.9, True, 1e-7, 1.0, torch.float32),
-         "not a whole number"),
-        (lambda: torch.ops.rlx.muon_ns_input([torch.randn(6, 10)], [torch.randn(6, 10)], 6, 10,
-                                             0.9, True, 1e-7, 1.0, torch.float16),
-         "dtype must be float32 or bfloat16"),
-        (lambda: torch.ops.rlx.muon_apply_([torch.randn(6, 10)], torch.randn(2, 6, 10), 0.1,
-                                           0.0, 1.0),
-         "params hold 1 matrices but ortho has 2"),
-    ],
-)
-def test_fused_ops_reject_bad_input(call, message):
-    with pytest.raises(RuntimeError, match=message):
-        call()

@@ -1,8 +1,10 @@
 """A small decoder-only language model made of Gated DeltaNet blocks."""
 
+from __future__ import annotations
+
 import math
 from dataclasses import asdict, dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -11,10 +13,22 @@ from torch import nn
 from ..nn.cache import RecurrentCache
 from ..nn.gated_deltanet import GatedDeltaNet
 
+__all__ = ["GDNConfig", "GDNLanguageModel", "LMOutput"]
+
 
 @dataclass
 class GDNConfig:
-    """Sizes of a :class:`GDNLanguageModel` (``asdict``/``GDNConfig(**d)`` round-trips)."""
+    """Sizes of a :class:`GDNLanguageModel` (``asdict``/``GDNConfig(**d)`` round-trips).
+
+    ``use_output_gate`` is the layers' ``use_gate`` (fla's name).
+
+    Example::
+
+        >>> from dataclasses import asdict
+        >>> config = GDNConfig(hidden_size=64, num_heads=1)
+        >>> GDNConfig(**asdict(config)) == config
+        True
+    """
 
     vocab_size: int = 256
     hidden_size: int = 128
@@ -33,6 +47,13 @@ class GDNConfig:
     tie_embeddings: bool = False
 
     def mlp_width(self) -> int:
+        """The SwiGLU width: ``intermediate_size``, else 8/3 of ``hidden_size`` rounded up to 32.
+
+        Example::
+
+            >>> GDNConfig(hidden_size=128).mlp_width()
+            352
+        """
         if self.intermediate_size is not None:
             return self.intermediate_size
         return 32 * math.ceil(8 * self.hidden_size / 3 / 32)
@@ -58,22 +79,32 @@ class GDNBlock(nn.Module):
         super().__init__()
         self.mixer_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mixer = GatedDeltaNet(
-            config.hidden_size, config.num_heads, config.head_dim, num_v_heads=config.num_v_heads,
-            expand_v=config.expand_v, gate=config.gate, use_short_conv=config.use_short_conv,
-            conv_size=config.conv_size, use_output_gate=config.use_output_gate,
-            norm_eps=config.norm_eps, layer_idx=layer_idx,
+            config.hidden_size, num_heads=config.num_heads, head_dim=config.head_dim,
+            num_v_heads=config.num_v_heads, expand_v=config.expand_v, gate=config.gate,
+            use_short_conv=config.use_short_conv, conv_size=config.conv_size,
+            use_gate=config.use_output_gate, norm_eps=config.norm_eps, layer_idx=layer_idx,
         )
         self.mlp_norm = nn.RMSNorm(config.hidden_size, eps=config.norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.mlp_width())
 
     def forward(self, x, attention_mask=None, cu_seqlens=None, cache=None, use_cache=False):
-        mixed, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask,
-                                  cu_seqlens=cu_seqlens, cache=cache, use_cache=use_cache)
+        mixed, _, cache = self.mixer(self.mixer_norm(x), attention_mask=attention_mask,
+                                     past_key_values=cache, use_cache=use_cache,
+                                     cu_seqlens=cu_seqlens)
         x = x + mixed
         return x + self.mlp(self.mlp_norm(x)), cache
 
 
 class LMOutput(NamedTuple):
+    """``GDNLanguageModel``'s output: ``logits [B, T, vocab]`` and the decoding cache.
+
+    Example::
+
+        >>> out = GDNLanguageModel(num_layers=1)(torch.randint(0, 256, (1, 4)))
+        >>> out.logits.shape, out.cache
+        (torch.Size([1, 4, 256]), None)
+    """
+
     logits: torch.Tensor
     cache: RecurrentCache | None
 
@@ -85,9 +116,15 @@ class GDNLanguageModel(nn.Module):
 
     ``quantize_mlp(...)`` swaps the MLP linears for ``CodebookLinear``; ``generate(...)``
     samples by incremental decoding.
+
+    Example::
+
+        >>> model = GDNLanguageModel(GDNConfig(hidden_size=64, num_layers=1, num_heads=1))
+        >>> model(torch.randint(0, 256, (2, 10))).logits.shape
+        torch.Size([2, 10, 256])
     """
 
-    def __init__(self, config: GDNConfig | None = None, **overrides):
+    def __init__(self, config: GDNConfig | None = None, **overrides: Any) -> None:
         super().__init__()
         config = GDNConfig(**{**asdict(config or GDNConfig()), **overrides})
         self.config = config
@@ -122,14 +159,28 @@ class GDNLanguageModel(nn.Module):
                              use_cache=use_cache)
         return LMOutput(self.head(self.norm(x)), cache)
 
-    def mlp_linears(self):
-        """``(parent module, attribute name)`` of every MLP linear, in a stable order."""
+    def mlp_linears(self) -> list[tuple[nn.Module, str]]:
+        """``(parent module, attribute name)`` of every MLP linear, in a stable order.
+
+        Example::
+
+            >>> [name for _, name in GDNLanguageModel(num_layers=1).mlp_linears()]
+            ['gate_proj', 'up_proj', 'down_proj']
+        """
         return [(block.mlp, name) for block in self.blocks
                 for name in ("gate_proj", "up_proj", "down_proj")]
 
     @torch.no_grad()
-    def quantize_mlp(self, **codebook_kwargs) -> None:
-        """Replace every MLP ``nn.Linear`` by ``CodebookLinear.from_linear(linear, **kwargs)``."""
+    def quantize_mlp(self, **codebook_kwargs: Any) -> None:
+        """Replace every MLP ``nn.Linear`` by ``CodebookLinear.from_linear(linear, **kwargs)``.
+
+        Example::
+
+            >>> model = GDNLanguageModel(GDNConfig(hidden_size=64, num_layers=1, num_heads=1))
+            >>> model.quantize_mlp(num_entries=16, iters=2)
+            >>> type(model.blocks[0].mlp.up_proj).__name__
+            'CodebookLinear'
+        """
         from ..nn.codebook_linear import CodebookLinear
 
         for parent, name in self.mlp_linears():
@@ -139,9 +190,17 @@ class GDNLanguageModel(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None):
+                 top_k: int | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` continuations of ``prompt_ids [B, T]`` by incremental decoding
-        (one forward over the prompt, then one token per step). ``temperature=0`` is greedy."""
+        (one forward over the prompt, then one token per step). ``temperature=0`` is greedy.
+
+        Example::
+
+            >>> model = GDNLanguageModel(GDNConfig(hidden_size=64, num_layers=1, num_heads=1))
+            >>> model.generate(torch.tensor([[65, 66]]), 5, temperature=0).shape
+            torch.Size([1, 5])
+        """
         if prompt_ids.dim() != 2 or prompt_ids.shape[1] < 1:
             raise ValueError(
                 f"generate: prompt_ids must be [B, T] with T >= 1, got {tuple(prompt_ids.shape)}"

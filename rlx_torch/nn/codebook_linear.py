@@ -100,7 +100,15 @@ class CodebookLinear(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """Random codes and codebook giving nn.Linear's output scale (U(-1/sqrt(K), 1/sqrt(K)))."""
+        """Random codes and codebook giving nn.Linear's output scale (U(-1/sqrt(K), 1/sqrt(K))).
+
+        Example::
+
+            >>> layer = CodebookLinear(64, 32, entry_dim=8, num_entries=16)
+            >>> layer.reset_parameters()
+            >>> bool(layer.bias.abs().max() <= 64 ** -0.5)
+            True
+        """
         bound = 1.0 / math.sqrt(self.in_features) if self.in_features else 0.0
         with torch.no_grad():
             if self.indices.device.type != "meta":
@@ -150,12 +158,27 @@ class CodebookLinear(nn.Module):
 
     @property
     def weight(self) -> Tensor:
-        """The dense weight, built on every read (for code that reads ``layer.weight``)."""
+        """A computed view: the dense weight, :meth:`dequantize` rebuilt on every read (the
+        layer stores no dense matrix; its forward never builds one). It exists for code that
+        reads ``layer.weight``; keep the result rather than read it in a loop.
+
+        Example::
+
+            >>> layer = CodebookLinear(16, 4, entry_dim=8, num_entries=4)
+            >>> torch.equal(layer.weight, layer.dequantize())
+            True
+        """
         return self.dequantize()
 
     @property
     def bits_per_weight(self) -> float:
-        """Index bits per weight, M * log2(E) / D (what AQLM's "1x8", "2x8" name)."""
+        """Index bits per weight, M * log2(E) / D (what AQLM's "1x8", "2x8" name).
+
+        Example::
+
+            >>> CodebookLinear(64, 8, entry_dim=8, num_entries=256, num_codebooks=2).bits_per_weight
+            2.0
+        """
         return self.num_codebooks * math.log2(self.num_entries) / self.entry_dim
 
     def extra_repr(self) -> str:

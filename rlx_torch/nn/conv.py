@@ -1,10 +1,14 @@
 """Depthwise causal short convolution: the local token mixer in front of linear attention."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ._varlen import check_cu_seqlens, sequence_positions
+
+__all__ = ["ShortConvolution"]
 
 
 class ShortConvolution(nn.Conv1d):
@@ -25,10 +29,18 @@ class ShortConvolution(nn.Conv1d):
 
     Returns ``(y, final_state)``; ``final_state`` (``[N, D, W]``) is ``None`` unless
     ``output_final_state``.
+
+    Example::
+
+        >>> conv = ShortConvolution(8, kernel_size=4)
+        >>> y, state = conv(torch.randn(2, 5, 8), output_final_state=True)
+        >>> y.shape, state.shape
+        (torch.Size([2, 5, 8]), torch.Size([2, 8, 4]))
     """
 
     def __init__(self, hidden_size: int, kernel_size: int = 4, bias: bool = False,
-                 activation: str | None = "silu", device=None, dtype=None):
+                 activation: str | None = "silu", device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         if kernel_size < 1:
             raise ValueError(f"ShortConvolution: kernel_size must be >= 1, got {kernel_size}")
         if activation not in ("silu", "swish", None):
@@ -45,7 +57,8 @@ class ShortConvolution(nn.Conv1d):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
                 cache: torch.Tensor | None = None, output_final_state: bool = False,
-                cu_seqlens: torch.Tensor | None = None):
+                cu_seqlens: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         W, D = self.kernel_size[0], self.hidden_size
         if x.dim() != 3 or x.shape[-1] != D:
             raise ValueError(f"ShortConvolution: x must be [B, T, {D}], got {tuple(x.shape)}")

@@ -1,8 +1,12 @@
 """Gated RMSNorm: the output normalization of Gated DeltaNet (fla's ``FusedRMSNormGated``)."""
 
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+__all__ = ["RMSNormGated"]
 
 _GATE_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "sigmoid": torch.sigmoid}
 
@@ -12,10 +16,18 @@ class RMSNormGated(nn.Module):
 
     ``act`` is SiLU (default; "swish" is the same) or sigmoid. Half-precision inputs are
     computed in float32; the result has ``x``'s dtype. ``gate=None`` gives a plain RMSNorm.
+
+    Example::
+
+        >>> norm = RMSNormGated(8)
+        >>> y = norm(torch.randn(2, 3, 8), torch.randn(2, 3, 8))
+        >>> y.shape
+        torch.Size([2, 3, 8])
     """
 
     def __init__(self, hidden_size: int, eps: float = 1e-5, activation: str = "silu",
-                 elementwise_affine: bool = True, device=None, dtype=None):
+                 elementwise_affine: bool = True, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if activation not in _GATE_ACTIVATIONS:
             raise ValueError(

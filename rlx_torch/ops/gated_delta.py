@@ -221,8 +221,8 @@ class GatedDeltaRuleFunction(torch.autograd.Function):
     L2-normalize q and k themselves and return the raw rows' gradients.
 
     Written with ``ctx`` in ``forward`` rather than a ``setup_context``: ``apply`` then skips
-    binding the arguments through ``inspect.signature``, about a quarter of a whole T = 16
-    forward+backward step on the CPU (258 -> 192 us). torch.func transforms need a
+    binding the arguments through ``inspect.signature``, a sizeable part of a short-sequence
+    step (docs/benchmarks.md, "Figures behind code choices"). torch.func transforms need a
     ``setup_context``: under them :class:`GatedDeltaRuleFunctorch` runs instead. No ``jvp``
     (torch.compile does not trace Functions that define one): forward-mode AD raises, in
     gated_delta_rule, and autograd's own error for a Function without one."""
@@ -307,7 +307,7 @@ class L2NormFunction(torch.autograd.Function):
 _with_tangents = _autograd.with_tangents
 
 
-def l2norm(x, eps=L2NORM_EPS):
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
     """fla's l2norm: ``x / sqrt(sum(x^2, -1) + eps)``, computed in float32 (float64 for
     float64 input) and returned in x's dtype. Native on CPU (one op each way); elsewhere, and
     for forward-mode AD, plain PyTorch ops.
@@ -319,8 +319,8 @@ def l2norm(x, eps=L2NORM_EPS):
     """
     if x.device.type == "cpu" and not _with_tangents((("x", x),)):
         if not (x.requires_grad and torch.is_grad_enabled()):
-            # The op directly: Function.apply costs ~25 us a call (it binds the arguments
-            # with inspect.signature), 6x the op itself at a decode step's T = 1.
+            # The op directly: Function.apply binds its arguments with inspect.signature,
+            # which costs more than the op itself at a decode step's T = 1.
             return torch.ops.rlx.gated_delta_l2norm_fwd(x, float(eps))[0]
         return L2NormFunction.apply(x, float(eps))[0]
     xf = x.to(_acc_dtype(x.dtype))
@@ -336,11 +336,16 @@ def _as_acc(name, t, acc, required=True):
     return t.to(acc)
 
 
-def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                     output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, *,
-                     chunk_size=64):
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, *, scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+                     chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule, forward and backward natively (fla's ``chunk_gated_delta_rule``
     semantics).
+
+    ``q, k, v, g, beta`` are positional; the options after them are keyword-only (fla's
+    positional order is :func:`rlx_torch.compat.fla.chunk_gated_delta_rule`).
 
     Args:
         q, k: ``[B, T, H, K]``. v: ``[B, T, HV, V]``, HV a multiple of H (value head hv

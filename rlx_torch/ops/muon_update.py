@@ -13,6 +13,8 @@
 
 import torch
 
+__all__: list[str] = []  # the ops are called by rlx_torch.optim.Muon; nothing here is public
+
 
 @torch.library.register_fake("rlx::muon_ns_input")
 def _muon_ns_input_fake(grads, bufs, rows, cols, momentum, nesterov, eps, safety, dtype):

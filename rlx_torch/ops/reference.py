@@ -1,13 +1,24 @@
-"""Plain-PyTorch references for every rlx op: the test oracle, the docs' definition, and a
-fallback that runs anywhere autograd does. Written for clarity, not speed."""
+"""Plain-PyTorch references for the rlx ops: the tests' oracle and the docs' definition,
+written for clarity, not speed. The package's own modules never import it (a kernel checked
+against code it shares would be checked against itself)."""
+
+from __future__ import annotations
 
 import torch
+
+__all__ = ["codebook_dequantize", "codebook_matmul", "gated_delta_rule"]
 
 # ---- codebook matmul ----
 
 
-def codebook_dequantize(indices, codebook):
-    """Dense weight W[j, kb*D + t] = sum_m codebook[m, indices[j, kb, m], t], shape [N, K]."""
+def codebook_dequantize(indices: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Dense weight W[j, kb*D + t] = sum_m codebook[m, indices[j, kb, m], t], shape [N, K].
+
+    Example::
+
+        >>> codebook_dequantize(torch.tensor([[1, 0]]), torch.eye(2)).tolist()
+        [[0.0, 1.0, 1.0, 0.0]]
+    """
     if indices.dim() == 2:
         indices, codebook = indices.unsqueeze(-1), codebook.unsqueeze(0)
     n, groups, num_codebooks = indices.shape
@@ -16,10 +27,17 @@ def codebook_dequantize(indices, codebook):
     return weight.reshape(n, groups * codebook.shape[-1])
 
 
-def codebook_matmul(x, indices, codebook, scales=None, bias=None):
+def codebook_matmul(x: torch.Tensor, indices: torch.Tensor, codebook: torch.Tensor,
+                    scales: torch.Tensor | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """out[..., j] = scales[j] * (x @ W.T)[..., j] + bias[j] with W = codebook_dequantize(...).
 
     Computed in float32 for half inputs (like the kernels) and returned in x's dtype.
+
+    Example::
+
+        >>> codebook_matmul(torch.ones(1, 4), torch.tensor([[1, 0]]), torch.eye(2)).tolist()
+        [[2.0]]
     """
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     weight = codebook_dequantize(indices, codebook.to(compute))
@@ -33,13 +51,24 @@ def codebook_matmul(x, indices, codebook, scales=None, bias=None):
 # ---- gated delta rule ----
 
 
-def gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                     output_final_state=False, cu_seqlens=None, use_qk_l2norm=False):
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                     beta: torch.Tensor, scale: float | None = None,
+                     initial_state: torch.Tensor | None = None, output_final_state: bool = False,
+                     cu_seqlens: torch.Tensor | None = None, use_qk_l2norm: bool = False,
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's naive recurrence (fla/ops/gated_delta_rule/naive.py, fla/ops/kda/naive.py),
     token by token, with GVA, per-head or per-channel gates and varlen.
 
     State math in float32 (float64 for float64 inputs); o in v's dtype; final state in the
     state dtype. Shapes as in rlx_torch.gated_delta_rule.
+
+    Example::
+
+        >>> q = k = torch.tensor([[[[1.0, 0.0]]]]); v = torch.tensor([[[[3.0]]]])
+        >>> o, S = gated_delta_rule(q, k, v, torch.zeros(1, 1, 1), torch.ones(1, 1, 1), scale=1.0,
+        ...                         output_final_state=True)
+        >>> o.item(), S.flatten().tolist()
+        (3.0, [3.0, 0.0])
     """
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     B, T, H, K = q.shape

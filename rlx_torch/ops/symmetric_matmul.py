@@ -23,8 +23,18 @@ def _symmetric_matmul_fake(a, b, c, alpha, beta, transposed=False, diag=0.0):
     return a.new_empty((a.shape[0], m, m))
 
 
-def symmetric_matmul(a, b, c=None, alpha=1.0, beta=1.0, transposed=False, diag=0.0):
+def symmetric_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None,
+                     alpha: float = 1.0, beta: float = 1.0, transposed: bool = False,
+                     diag: float = 0.0) -> torch.Tensor:
     """``beta * c + alpha * a @ b^T + diag * I`` (``a^T @ b`` when transposed) for a
-    symmetric result; see the module docstring."""
+    symmetric result; see the module docstring.
+
+    Example::
+
+        >>> x = torch.randn(2, 4, 8).bfloat16()
+        >>> out = symmetric_matmul(x, x)
+        >>> out.shape, bool(torch.equal(out, out.transpose(1, 2)))
+        (torch.Size([2, 4, 4]), True)
+    """
     return torch.ops.rlx.symmetric_matmul(a, b, c, float(alpha), float(beta), transposed,
                                           float(diag))

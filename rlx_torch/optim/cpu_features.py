@@ -23,7 +23,14 @@ __all__ = ["CpuFeatures", "cpu_features", "native_bf16", "symmetric_kernel_pays"
 
 @dataclass(frozen=True)
 class CpuFeatures:
-    """The CPU model and the ISA features that Muon's kernel choices depend on."""
+    """The CPU model and the ISA features that Muon's kernel choices depend on.
+
+    Example::
+
+        >>> f = cpu_features()
+        >>> f.arch == platform.machine().lower()
+        True
+    """
 
     model: str
     arch: str
@@ -35,7 +42,14 @@ class CpuFeatures:
     arm_bf16: bool
 
     def summary(self) -> str:
-        """One line: the model and the features present, e.g. ``"AMD EPYC: AVX2"``."""
+        """One line: the model, the architecture and the features present.
+
+        Example::
+
+            >>> CpuFeatures("AMD EPYC 7B13", "x86_64", True, False, False, False, False,
+            ...             False).summary()
+            'AMD EPYC 7B13 (x86_64): AVX2'
+        """
         names = [n.upper().replace("_", "-") for n in
                  ("avx2", "avx512", "avx512_bf16", "amx", "neon", "arm_bf16") if getattr(self, n)]
         return f"{self.model} ({self.arch}): {', '.join(names) or 'no SIMD features detected'}"

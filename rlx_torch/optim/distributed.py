@@ -25,9 +25,12 @@ shards) raise a clear error.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import ParamsT
 
 from .distributed_sharded import ShardedMesh, is_dtensor, plan_jobs, sharded_muon_step
 from .muon import Muon
@@ -64,12 +67,13 @@ class DistributedMuon(Muon):
 
     Example (in each process of an initialised group)::
 
-        model = torch.nn.parallel.DistributedDataParallel(model)    # or: fully_shard(model)
-        opt = DistributedMuon(muon_param_groups(model.module), lr=0.02)   # (model, for FSDP2)
-        loss.backward(); opt.step()
+        >>> model = torch.nn.parallel.DistributedDataParallel(model)  # doctest: +SKIP
+        >>> opt = DistributedMuon(muon_param_groups(model.module), lr=0.02)  # doctest: +SKIP
+        >>> model(x).sum().backward(); opt.step()  # doctest: +SKIP
     """
 
-    def __init__(self, params, *args, process_group=None, **kwargs) -> None:
+    def __init__(self, params: ParamsT, *args: Any, process_group: dist.ProcessGroup | None = None,
+                 **kwargs: Any) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("DistributedMuon needs an initialised torch.distributed process "
                                "group (torch.distributed.init_process_group)")
@@ -119,7 +123,7 @@ class DistributedMuon(Muon):
         return out
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """One step; see the module docstring. `closure` re-evaluates the model."""
         loss = None
         if closure is not None:

@@ -45,7 +45,8 @@ from .muon import (
 )
 from .newton_schulz import newton_schulz, resolve_schedule
 
-__all__ = ["ShardedMesh", "is_dtensor", "plan_jobs", "sharded_muon_step"]
+# ShardedMesh, plan_jobs and sharded_muon_step are DistributedMuon's machinery, not API.
+__all__ = ["is_dtensor"]
 
 _ALIGN = 16  # byte alignment of each segment in a packed buffer (viewable as any dtype)
 

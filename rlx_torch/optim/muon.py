@@ -16,13 +16,17 @@ from __future__ import annotations
 import functools
 import math
 from collections import defaultdict
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from .cpu_features import native_bf16
 from .newton_schulz import KELLER, newton_schulz, resolve_schedule
+
+__all__ = ["Muon"]
 
 # None means "original", as in torch.optim.Muon; "identity" leaves lr unadjusted.
 ADJUST_LR_FNS = (None, "original", "match_rms_adamw", "identity")
@@ -32,8 +36,8 @@ ND_MODES = ("auto", "flatten", "batch")
 # (a batch this size already saturates any GPU).
 MAX_BATCH_ELEMENTS = 1 << 28
 # On CPU, batches of at most 512K elements (2 MiB in fp32; 8 [256, 256] or 2 [1024, 256]
-# matrices): a batch's bf16 iterates then stay cache-resident through the whole iteration.
-# Measured on the d=256 GPT set, one thread: 282-309 ms per step against 331-344 ms with 2M.
+# matrices): a batch's bf16 iterates then stay cache-resident through the whole iteration
+# (the step time this saves: docs/benchmarks.md, "Figures behind code choices").
 CPU_MAX_BATCH_ELEMENTS = 1 << 19
 
 
@@ -138,12 +142,12 @@ class Muon(Optimizer):
 
     def __init__(
         self,
-        params,
+        params: ParamsT,
         lr: float | Tensor = 0.02,
         weight_decay: float = 0.0,
         momentum: float = 0.95,
         nesterov: bool = True,
-        ns_coefficients=KELLER,
+        ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]] = KELLER,
         eps: float = 1e-7,
         ns_steps: int = 5,
         adjust_lr_fn: str | None = None,
@@ -278,7 +282,7 @@ class Muon(Optimizer):
     # ---- step ----
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         """Performs one optimization step; `closure` re-evaluates the model and returns the loss."""
         loss = None
         if closure is not None:
@@ -471,7 +475,7 @@ def _ns_input(grads, bufs, momentum, nesterov, counts, rows, cols) -> Tensor:
     aliases a momentum buffer, and p.grad is never written."""
     if grads[0].device.type == "cpu":
         # Written straight into one buffer: on CPU a foreach lerp into new tensors and a cat
-        # measured ~10x slower (24 x [1024, 256] fp32: 30 ms against 2.7 ms, one thread).
+        # is several times slower (docs/benchmarks.md, "Figures behind code choices").
         stacked = torch.empty((sum(counts), rows, cols), dtype=grads[0].dtype)
         for piece, g, b in zip(stacked.split(counts), grads, bufs, strict=True):
             if nesterov:

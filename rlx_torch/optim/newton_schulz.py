@@ -25,6 +25,8 @@ import torch
 
 from .cpu_features import symmetric_kernel_pays
 
+__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule"]
+
 Triple = tuple[float, float, float]
 
 # Keller Jordan's coefficients: maximise the slope at zero (muon.py, also torch.optim.Muon).
@@ -67,12 +69,18 @@ def _as_triple(value, what: str) -> Triple:
     return triple  # type: ignore[return-value]
 
 
-def resolve_schedule(ns_coefficients, ns_steps: int) -> Schedule:
+def resolve_schedule(ns_coefficients: str | Sequence[float] | Sequence[Sequence[float]],
+                     ns_steps: int) -> Schedule:
     """Turns the user's `ns_coefficients` into exactly `ns_steps` triples.
 
     A preset name or a list of per-step triples shorter than `ns_steps` repeats its last triple
     (the final Polar Express polynomial is the one meant to be iterated); a longer list is cut.
     A single `(a, b, c)` is used for every step.
+
+    Example::
+
+        >>> resolve_schedule((3.0, -3.2, 1.2), 2)
+        Schedule(coefficients=((3.0, -3.2, 1.2), (3.0, -3.2, 1.2)), safety=1.0)
     """
     if isinstance(ns_steps, bool) or not isinstance(ns_steps, int) or ns_steps < 1:
         raise ValueError(f"ns_steps must be an int >= 1, got {ns_steps!r}")
@@ -136,7 +144,8 @@ def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto") 
     if method != "auto":
         return method == "gram"
     small, large = sorted(shape[-2:])
-    # Only measured on CPU; CUDA and MPS keep the standard iteration until measured there.
+    # The Gram form is on only where benchmarks show it pays (CPU); CUDA and MPS keep the
+    # standard iteration.
     return device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
 
 
@@ -153,6 +162,14 @@ def newton_schulz(
     (`uses_gram`). `normalized=True`: G is already in `dtype` and divided by its norm (and
     the schedule's safety factor), as `rlx::muon_ns_input` returns it; it is iterated on
     directly (never written). Makes no host-device synchronisation.
+
+    Example::
+
+        >>> G = torch.randn(3, 4, 6, generator=torch.Generator().manual_seed(0))
+        >>> X = newton_schulz(G, resolve_schedule("keller", 5), 1e-7, torch.float32)
+        >>> S = torch.linalg.svdvals(X)  # Keller's schedule: singular values near 1
+        >>> X.shape, bool((S > 0.5).all() and (S < 1.5).all())
+        (torch.Size([3, 4, 6]), True)
     """
     if G.ndim < 2:
         raise ValueError(f"newton_schulz: G must have >= 2 dims, got shape {tuple(G.shape)}")
@@ -237,7 +254,8 @@ def _iterate(X, schedule, tall, products, method):
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
         if products.native:
             # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm first copies X into its
-            # result (8 x [256, 256] bf16, one thread: a 0.44 ms copy for a 1.2 ms product).
+            # result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
+            # code choices").
             P = products.sym(A, A, A, alpha=c, beta=b, diag=a)  # a·I + b·A + c·A²
             X = torch.bmm(X, P) if tall else torch.bmm(P, X)
         else:

@@ -7,6 +7,8 @@ from collections.abc import Iterable
 
 from torch import nn
 
+__all__ = ["DEFAULT_HEAD_NAMES", "muon_param_groups"]
+
 # Output heads by the names models give them (GPT-2/LLaMA `lm_head`, timm `head`/`fc`-free
 # `classifier`, fairseq `output_projection`, ...). Matched against a param's module path.
 DEFAULT_HEAD_NAMES = (r"(^|\.)lm_head(\.|$)", r"(^|\.)head(\.|$)", r"(^|\.)output(\.|$)",
@@ -34,7 +36,7 @@ def muon_param_groups(
     muon_names: Iterable[str] = (),
     adamw_names: Iterable[str] = (),
     head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
-    **muon_options,
+    **muon_options: object,
 ) -> list[dict]:
     """Splits `model`'s trainable params into a Muon group and an AdamW group.
 
@@ -46,6 +48,12 @@ def muon_param_groups(
     keyword arguments (`momentum`, `nd_mode`, ...) go into the Muon group.
 
     Returns `[muon_group, adamw_group]`, leaving out an empty group.
+
+    Example::
+
+        >>> model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+        >>> [(g["use_muon"], len(g["params"])) for g in muon_param_groups(model)]
+        [(True, 1), (False, 4)]
     """
     muon_names, adamw_names, head_names = list(muon_names), list(adamw_names), list(head_names)
     to_adamw: set[int] = set()  # ids of params the module structure marks as non-hidden

@@ -28,7 +28,15 @@ __all__ = ["AqlmTensors", "from_aqlm_tensors", "to_aqlm_tensors"]
 
 
 class AqlmTensors(NamedTuple):
-    """AQLM's ``codes``, ``codebooks`` and ``scales`` for one layer (see the module docstring)."""
+    """AQLM's ``codes``, ``codebooks`` and ``scales`` for one layer (see the module docstring).
+
+    Example::
+
+        >>> idx = torch.randint(0, 256, (4, 2), dtype=torch.uint8)
+        >>> aq = rlx_torch.quant.to_aqlm_tensors(idx, torch.randn(256, 8), torch.ones(4))
+        >>> aq.codes.shape, aq.codebooks.shape, aq.scales.shape
+        (torch.Size([4, 2, 1]), torch.Size([1, 256, 1, 8]), torch.Size([4, 1, 1, 1]))
+    """
 
     codes: torch.Tensor
     codebooks: torch.Tensor

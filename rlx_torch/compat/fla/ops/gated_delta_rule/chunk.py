@@ -27,10 +27,10 @@ def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
                            allow_neg_eigval: bool = False, state_v_first: bool = False,
                            cu_seqlens: torch.Tensor | None = None,
                            cu_seqlens_cpu: torch.Tensor | None = None,
-                           chunk_indices: torch.Tensor | None = None, cp_context=None, *,
+                           chunk_indices: torch.Tensor | None = None, cp_context: object = None, *,
                            use_gate_in_kernel: bool = False, A_log: torch.Tensor | None = None,
                            dt_bias: torch.Tensor | None = None, chunk_size: int = 64,
-                           **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                           **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``chunk_gated_delta_rule`` (same positional order and keyword arguments).
 
     q, k ``[B, T, H, K]``; v ``[B, T, HV, V]``; g ``[B, T, HV]`` log decay (with

@@ -28,7 +28,7 @@ def fused_recurrent_gated_delta_rule(
         A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
         use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
         state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
-        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``fused_recurrent_gated_delta_rule`` (same positional order), with a backward.
 
     Decays multiply, as in fla's kernel: ``g [B, T, HV]`` per head (with ``use_gate_in_kernel``

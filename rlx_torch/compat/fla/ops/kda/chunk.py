@@ -28,10 +28,10 @@ def chunk_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor
               safe_gate: bool = False, lower_bound: float | None = None,
               disable_recompute: bool = False, return_intermediate_states: bool = False,
               state_v_first: bool = False, cu_seqlens: torch.Tensor | None = None,
-              cu_seqlens_cpu: torch.Tensor | None = None, cp_context=None,
+              cu_seqlens_cpu: torch.Tensor | None = None, cp_context: object = None,
               use_graph: bool = False, max_num_seqs: int | None = None, *,
               A_log: torch.Tensor | None = None, dt_bias: torch.Tensor | None = None,
-              chunk_size: int = 64, **kwargs):
+              chunk_size: int = 64, **kwargs: object) -> tuple[torch.Tensor | None, ...]:
     """fla's ``chunk_kda`` (same positional order and keyword arguments).
 
     g ``[B, T, HV, K]`` per-key log decay. With ``use_gate_in_kernel`` g is the raw input:

@@ -28,7 +28,7 @@ def fused_recurrent_kda(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
                         use_beta_sigmoid_in_kernel: bool = False, allow_neg_eigval: bool = False,
                         lower_bound: float | None = None, state_v_first: bool = False,
                         cu_seqlens: torch.Tensor | None = None,
-                        **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                        **kwargs: object) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``fused_recurrent_kda`` (same positional order), with a backward.
 
     g ``[B, T, HV, K]``; beta ``[B, T, HV]`` or per value channel ``[B, T, HV, V]``. With
