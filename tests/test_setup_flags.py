@@ -184,3 +184,14 @@ def test_cross_build_finds_the_wheels_bundled_openmp_and_version(tmp_path):
     bundled = tmp_path / "torch.libs" / "libgomp-a49a47f9.so.1.0.0"
     bundled.write_bytes(b"")
     assert cross_build._openmp_runtime(str(torch_dir)) == str(bundled)
+
+
+def test_release_builds_carry_no_debug_info(rlx_setup):
+    args = dict(std="c++20", torch_openmp=True, use_mps=False)
+    release = rlx_setup.build_flags("linux", "x86_64", "gcc", **args)["cxx"]
+    debug = rlx_setup.build_flags("linux", "x86_64", "gcc", debug=True, **args)["cxx"]
+    sanitize = rlx_setup.build_flags("linux", "x86_64", "gcc", sanitize=True, **args)["cxx"]
+    # -g0 comes after Python's sysconfig -g in the compile line, so it wins
+    assert "-g0" in release and "-g" not in release
+    assert "-g" in debug and "-g0" not in debug
+    assert "-g" in sanitize and "-g0" not in sanitize
