@@ -5,28 +5,17 @@ float64 reference built from the math. This checks the fragment mapping, the cod
 indexing, the ragged tails and the cross-warp sum without a GPU; tests/test_codebook_cuda.py
 runs the kernel for real."""
 
-import os
-import shutil
 import subprocess
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
+from tests.cuda_emu import build_emulator
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no C++ compiler")
-    exe = str(tmp_path_factory.mktemp("cuda_emu") / "codebook_emu")
-    cmd = [CXX, "-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           "-Wno-unknown-pragmas", "-Werror", f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc/cuda",
-           os.path.join(ROOT, "tests", "cuda_emu", "codebook_emu_main.cpp"), "-o", exe]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return exe
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu"), "codebook_emu_main")
 
 
 def _bits(t):

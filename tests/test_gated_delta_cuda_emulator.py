@@ -5,28 +5,18 @@ the kernels' indexing, synchronization and math without a GPU; tests/test_gated_
 runs them for real."""
 
 import os
-import shutil
 import subprocess
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
+from tests.cuda_emu import build_emulator
 
 
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
-    if CXX is None:
-        pytest.skip("no C++ compiler")
-    exe = str(tmp_path_factory.mktemp("cuda_emu") / "gdn_emu")
-    cmd = [CXX, "-std=c++20", "-O1", "-pthread", "-Wall", "-Wextra", "-Wno-unused-parameter",
-           "-Wno-unknown-pragmas", "-Werror", f"-I{ROOT}/csrc/include", f"-I{ROOT}/csrc/cuda",
-           os.path.join(ROOT, "tests", "cuda_emu", "gdn_emu_main.cpp"), "-o", exe]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return exe
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu"), "gdn_emu_main")
 
 
 def _write(path, t):
