@@ -86,6 +86,15 @@ class ShortConvolution(nn.Conv1d):
             y = F.silu(y)
         return y, final
 
+    def _shifted_sum(self, rows: torch.Tensor, length: int) -> torch.Tensor:
+        """``out[..., j, :] = sum_tap rows[..., j + tap, :] * weight[:, 0, tap]`` for
+        ``j < length``: the convolution over the time dim (-2) of rows that hold each output's
+        left context before it."""
+        out = rows[..., 0:length, :] * self.weight[:, 0, 0]
+        for tap in range(1, self.kernel_size[0]):
+            out = out + rows[..., tap:tap + length, :] * self.weight[:, 0, tap]
+        return out
+
     def _dense(self, x, cache, output_final_state):
         B, T, D = x.shape
         W = self.kernel_size[0]
@@ -93,9 +102,7 @@ class ShortConvolution(nn.Conv1d):
         padded = torch.cat([history, x], dim=1)  # [B, W + T, D]; its last W-1 history rows are
         # the left context of x. A sum of W shifted products: as fast as the depthwise F.conv1d
         # on CPU (benchmarks/bench_layers.py), plain elementwise ops on every backend and dtype.
-        y = padded[:, 1:T + 1] * self.weight[:, 0, 0]
-        for tap in range(1, W):
-            y = y + padded[:, 1 + tap:1 + tap + T] * self.weight[:, 0, tap]
+        y = self._shifted_sum(padded[:, 1:], T)
         final = padded[:, -W:].transpose(1, 2).contiguous() if output_final_state else None
         return y, final
 
@@ -111,7 +118,7 @@ class ShortConvolution(nn.Conv1d):
         N = cu_seqlens.numel() - 1
         history = x.new_zeros(N, D, W) if cache is None else cache.to(x.dtype)
         rows = torch.cat([history.transpose(1, 2).reshape(N * W, D), x[0]], dim=0)
-        seq, pos = sequence_positions(cu_seqlens, total)
+        seq, _ = sequence_positions(cu_seqlens, total)
         start = cu_seqlens[:-1].to(device=seq.device, dtype=torch.int64)
         # Row t of x goes to t + (seq + 1)(W - 1); history row h of sequence s (its last W - 1
         # rows, h = 1..W-1) to start[s] + s(W - 1) + h - 1.
@@ -125,10 +132,7 @@ class ShortConvolution(nn.Conv1d):
         source[at_token] = N * W + token
         source[at_hist.reshape(-1)] = src_hist.reshape(-1)
         ext = rows[source]  # [total + N(W - 1), D]
-        length = ext.shape[0] - (W - 1)
-        y_ext = ext[0:length] * self.weight[:, 0, 0]
-        for tap in range(1, W):
-            y_ext = y_ext + ext[tap:tap + length] * self.weight[:, 0, tap]
+        y_ext = self._shifted_sum(ext, ext.shape[0] - (W - 1))
         # The output of row t is the one whose window ends at t's own position.
         y = y_ext[token + seq * (W - 1)].unsqueeze(0)
         final = None
