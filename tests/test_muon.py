@@ -158,8 +158,11 @@ def test_muon_step_takes_the_gram_form_for_wide_and_tall_params_on_cpu(monkeypat
     params = [nn.Parameter(torch.randn(s)) for s in [(8, 32), (32, 8), (16, 16), (16, 24)]]
     for p in params:
         p.grad = torch.randn_like(p)
-    Muon(params).step()
+    Muon(params, ns_dtype=torch.float32).step()
     assert sorted(seen) == [((1, 8, 32), False), ((1, 32, 8), True)]
+    seen.clear()  # bf16 NS (the default on CPUs with native bf16): never the Gram form
+    Muon(params, ns_dtype=torch.bfloat16).step()
+    assert seen == []
 
 
 def test_cpu_batches_are_split_at_the_cpu_limit_with_the_same_result(monkeypatch):
@@ -297,7 +300,18 @@ def test_3d_param_flatten_mode():
     torch.testing.assert_close(flat, start - 0.1 * update)
 
 
-def test_non_contiguous_and_channels_last_params_match_contiguous():
+# Layout must not change the step. In float32 the fused and op-by-op paths agree to rounding;
+# in bf16 their NS inputs (normalised in C++ / in PyTorch, norms summed in another order) may
+# round a few entries one bf16 ulp apart, which moves the step by about lr·scale·2⁻⁷ at most.
+LAYOUT_NS_DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _layout_tolerance(ns_dtype, steps, lr=0.02, scale=1.0):
+    return 1e-5 if ns_dtype == torch.float32 else steps * lr * scale * 2.0**-7
+
+
+@pytest.mark.parametrize("ns_dtype", LAYOUT_NS_DTYPES)
+def test_non_contiguous_and_channels_last_params_match_contiguous(ns_dtype):
     torch.manual_seed(0)
     base = torch.randn(8, 4, 3, 3)
     grads = [torch.randn(8, 4, 3, 3) for _ in range(3)]
@@ -305,7 +319,8 @@ def test_non_contiguous_and_channels_last_params_match_contiguous():
     b = nn.Parameter(base.clone().to(memory_format=torch.channels_last))
     t = nn.Parameter(torch.randn(5, 9).T.contiguous().T)  # transposed storage
     t_ref = nn.Parameter(t.detach().contiguous().clone())
-    opt_a, opt_b = Muon([a, t_ref], weight_decay=0.1), Muon([b, t], weight_decay=0.1)
+    opt_a = Muon([a, t_ref], weight_decay=0.1, ns_dtype=ns_dtype)
+    opt_b = Muon([b, t], weight_decay=0.1, ns_dtype=ns_dtype)
     for g in grads:
         tg = torch.randn(5, 9)
         a.grad, b.grad = g.clone(), g.clone().to(memory_format=torch.channels_last)
@@ -313,8 +328,11 @@ def test_non_contiguous_and_channels_last_params_match_contiguous():
         opt_a.step()
         opt_b.step()
     assert b.is_contiguous(memory_format=torch.channels_last)
-    torch.testing.assert_close(a, b)
-    torch.testing.assert_close(t, t_ref)
+    # float32: assert_close's own float32 tolerances
+    tol = {} if ns_dtype == torch.float32 else {
+        "rtol": 0, "atol": _layout_tolerance(ns_dtype, len(grads), scale=(36 / 8) ** 0.5)}
+    torch.testing.assert_close(a, b, **tol)
+    torch.testing.assert_close(t, t_ref, **tol)
 
 
 # ---- safety properties ----
@@ -521,7 +539,7 @@ def test_device_list_honours_rlx_skip_mps(monkeypatch):
     assert "mps" in _devices()
 
 
-def _train_codebook_layer(codebook_matmul, device):
+def _train_codebook_layer(codebook_matmul, device, ns_dtype=None):
     B, K, N, D, E = 8, 8, 6, 2, 4
     x = torch.sin(0.17 * torch.arange(B * K, dtype=torch.float32)).reshape(B, K).to(device)
     j = torch.arange(N)[:, None]
@@ -530,7 +548,7 @@ def _train_codebook_layer(codebook_matmul, device):
     true_codebook = (torch.cos(0.5 * torch.arange(E * D, dtype=torch.float32)) * 0.9)
     target = codebook_matmul(x, indices, true_codebook.reshape(E, D).to(device))
     codebook = nn.Parameter(torch.zeros(E, D, device=device))
-    opt = Muon([codebook], lr=0.1)
+    opt = Muon([codebook], lr=0.1, ns_dtype=ns_dtype)
     losses = torch.empty(200, device=device)  # stays on the device; read once at the end
     for step in range(200):
         opt.zero_grad(set_to_none=True)
@@ -543,12 +561,15 @@ def _train_codebook_layer(codebook_matmul, device):
     assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
 
 
+@pytest.mark.parametrize("ns_dtype", [None, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("device", _devices())
-def test_codebook_layer_trains_with_muon(device):
+def test_codebook_layer_trains_with_muon(device, ns_dtype):
+    # ns_dtype None is bf16 on CPUs with native bf16 and float32 elsewhere: both are run on
+    # every CPU. (A [4, 2] codebook's bf16 Gram-form iteration once blew a step up 10⁵-fold.)
     key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}[device]
     if not torch._C._dispatch_has_kernel_for_dispatch_key("rlx::codebook_matmul", key):
         pytest.skip(f"rlx::codebook_matmul has no {key} kernel in this build")
-    _train_codebook_layer(rlx_torch.codebook_matmul, device)
+    _train_codebook_layer(rlx_torch.codebook_matmul, device, ns_dtype)
 
 
 @pytest.mark.parametrize("device", [d for d in _devices() if d != "cpu"] or [
@@ -627,7 +648,8 @@ def test_fused_cpu_step_matches_the_op_by_op_step(monkeypatch, ns_dtype, nestero
         torch.testing.assert_close(a, b, rtol=0, atol=tol)
 
 
-def test_non_contiguous_params_and_grads_take_the_op_by_op_path():
+@pytest.mark.parametrize("ns_dtype", LAYOUT_NS_DTYPES)
+def test_non_contiguous_params_and_grads_take_the_op_by_op_path(ns_dtype):
     torch.manual_seed(0)
     base = torch.randn(40, 24)
     p = nn.Parameter(base.t())  # a transposed (non-contiguous) param, contiguous grad
@@ -637,7 +659,8 @@ def test_non_contiguous_params_and_grads_take_the_op_by_op_path():
     twins = [nn.Parameter(t.detach().contiguous()) for t in (p, q)]
     for twin, orig in zip(twins, (p, q), strict=True):
         twin.grad = orig.grad.contiguous()
-    Muon([p, q], weight_decay=0.1).step()
-    Muon(twins, weight_decay=0.1).step()  # contiguous: the fused path
+    Muon([p, q], weight_decay=0.1, ns_dtype=ns_dtype).step()
+    Muon(twins, weight_decay=0.1, ns_dtype=ns_dtype).step()  # contiguous: the fused path
     for a, b in zip((p, q), twins, strict=True):
-        torch.testing.assert_close(a.detach(), b.detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=0,
+                                   atol=_layout_tolerance(ns_dtype, 1, scale=(40 / 24) ** 0.5))

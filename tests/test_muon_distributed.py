@@ -13,6 +13,7 @@ from torch import nn
 
 from rlx_torch.optim import Muon, muon_param_groups
 from rlx_torch.optim.distributed import DistributedMuon, assign_owners
+from rlx_torch.optim.muon import default_ns_dtype
 
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # spawned ranks talk over loopback
 
@@ -203,11 +204,12 @@ def test_bitwise_equal_to_one_process_after_10_steps(runs, world):
 def test_each_rank_receives_only_the_others_results(runs, world):
     received = [out["bytes"] for out in runs["results"][world]]
     assert all(r > 0 for r in received)
-    # 4 bytes per float32 element of every other rank's batches: together, (world - 1) times
-    # all NS outputs.
+    # One NS-dtype element (float32, or bf16 on CPUs with native bf16) per entry of every
+    # other rank's batches: together, (world - 1) times all NS outputs.
+    element = default_ns_dtype(torch.device("cpu"), torch.float32).itemsize
     total = sum(p.numel() for k, p in runs["reference"].items()
                 if k.endswith("weight") and p.ndim == 2 and "embed" not in k
-                and "lm_head" not in k) * 4
+                and "lm_head" not in k) * element
     if runs["results"][world][0]["params"]["blocks.0.qkv.weight"].dtype == torch.float32:
         assert sum(received) == (world - 1) * total
 

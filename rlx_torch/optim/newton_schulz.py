@@ -9,10 +9,11 @@ after normalising each matrix by its Frobenius norm (an upper bound of the spect
 all singular values start in [0, 1]). Every matrix of the batch is independent: one
 `bmm`/`baddbmm` per line serves all of them, and a non-finite matrix only spoils itself.
 
-On CPU, matrices with an aspect ratio of at least 2 run the same iteration in its Gram form
-(`_gram_iterations`), which needs far fewer FLOPs, and on CPUs with AVX512-BF16 the bf16
-products with symmetric results go through `rlx::symmetric_matmul` (`_Products`), which
-computes only their upper triangle; see docs/optim.md.
+On CPU, float32 and float64 matrices with an aspect ratio of at least 2 run the same
+iteration in its Gram form (`_gram_iterations`), which needs far fewer FLOPs (never in 16-bit
+dtypes: `uses_gram`), and on CPUs with AVX512-BF16 the bf16 products with symmetric results
+go through `rlx::symmetric_matmul` (`_Products`), which computes only their upper triangle;
+see docs/optim.md.
 """
 
 from __future__ import annotations
@@ -125,7 +126,9 @@ def gram_restarts(coefficients: Sequence[Triple]) -> tuple[int, ...]:
     negative ones included, by about p(r)² ≈ a². The first phase ends before that growth
     passes GRAM_MAX_GROWTH; later phases hold at most one update (two steps): by then most
     singular values are near 1, R's entries and their rounding errors are larger, and two
-    updates per later phase were measured to blow up (bf16, Keller coefficients, 8 steps).
+    updates per later phase were measured to blow up (Keller coefficients, 8 steps, in bf16,
+    where rounding errors are large enough to show it; the Gram form now runs only in float32
+    and float64).
     """
     restarts: list[int] = []
     growth = 1.0
@@ -137,16 +140,36 @@ def gram_restarts(coefficients: Sequence[Triple]) -> tuple[int, ...]:
     return tuple(restarts)
 
 
-def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto") -> bool:
-    """Whether `newton_schulz` takes the Gram form for matrices of `shape` on `device`."""
+def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto",
+              dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `newton_schulz` takes the Gram form for matrices of `shape` on `device`.
+
+    Only float32 and float64 iterate in the Gram form. Rounded to a 16-bit dtype, R₀ = X·Xᵀ
+    has eigenvalue errors of about 2⁻⁸ (bf16), so singular values below about 0.06 leave no
+    trace in it; the Gram iteration then multiplies them by `a` at every step whatever their
+    true size (3.4 for Keller), they pass 1, and the following steps blow them up (measured:
+    outputs 10⁵ to 10¹⁵ times too large on small matrices with decaying spectra, bf16, with
+    either preset). The standard iteration recomputes X·Xᵀ from X at every step and stays
+    bounded. `method="gram"` with a 16-bit dtype is refused for the same reason.
+
+    Example::
+
+        >>> cpu = torch.device("cpu")
+        >>> uses_gram((64, 256), cpu), uses_gram((64, 256), cpu, dtype=torch.bfloat16)
+        (True, False)
+    """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    wide_enough = dtype in (torch.float32, torch.float64)
     if method != "auto":
+        if method == "gram" and not wide_enough:
+            raise ValueError(f"method='gram' needs float32 or float64, got {dtype}: in 16-bit "
+                             "dtypes the Gram form blows up small singular values")
         return method == "gram"
     small, large = sorted(shape[-2:])
     # The Gram form is on only where benchmarks show it pays (CPU); CUDA and MPS keep the
     # standard iteration.
-    return device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
+    return wide_enough and device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
 
 
 def newton_schulz(
@@ -247,7 +270,7 @@ class _Products:
 
 
 def _iterate(X, schedule, tall, products, method):
-    if uses_gram(X.shape, X.device, method):
+    if uses_gram(X.shape, X.device, method, X.dtype):
         return _gram_iterations(X, schedule, tall, products)
     for a, b, c in schedule.coefficients:
         A = products.gram(X, tall)
@@ -276,7 +299,8 @@ def _gram_iterations(X: torch.Tensor, schedule: Schedule, tall: bool,
     copies of X). Because R is updated rather than recomputed, rounding can make it
     indefinite, and the iteration blows a negative eigenvalue up geometrically (measured in
     bf16: outputs 10-10⁴ times too large). Restarts (`gram_restarts`) rebuild X and R from
-    scratch, which keeps the error at the standard iteration's level (tests/test_muon.py).
+    scratch, which keeps the error at the standard iteration's level in float32 and float64
+    (tests/test_newton_schulz.py); 16-bit dtypes never come here (`uses_gram`).
     Every m x m product has a symmetric result (commuting symmetric factors).
     """
 
