@@ -300,37 +300,7 @@ def test_kernel_bounds_are_checked(emu):
         p.emu_backward(emu, ckpt[:-2].contiguous(), torch.randn(p.v.shape), None)
 
 
-# ---- launch plans and the params struct -----------------------------------------------------
-
-PARAM_FIELDS = (
-    "tokens dq_offset dk_offset dv_offset dg_offset dbeta_offset dstate_offset part_dk_offset "
-    "part_dg_offset part_dbeta_offset seq_len num_seqs num_qk_heads num_v_heads head_k_dim "
-    "head_v_dim group k_per_lane gate_per_channel has_initial_state has_grad_final varlen chunk "
-    "simdgroups num_vblocks sub window_lo window_hi window_chunks reduce_simdgroups scale"
-).split()
-
-
-def test_params_struct_matches_the_metal_struct(tmp_path):
-    # The .metal struct (as the emulator translates it: MSL's uint/ulong/float sizes) and the
-    # plan header's struct must agree field for field, or the host would pass garbage.
-    import subprocess
-    from pathlib import Path
-
-    from tests.metal_emu import CXX, INCLUDE, REPO
-    from tests.metal_emu.translate import generate
-
-    cpp, _ = generate(Path(REPO / KERNELS).read_text(), KERNELS)
-    checks = [f"static_assert(offsetof(::GdnParams, {f}) == offsetof(rlx::mps::GdnParams, {f}) "
-              f"&& sizeof(::GdnParams::{f}) == sizeof(rlx::mps::GdnParams::{f}), \"{f}\");"
-              for f in PARAM_FIELDS]
-    checks.append("static_assert(sizeof(::GdnParams) == sizeof(rlx::mps::GdnParams));")
-    src = tmp_path / "layout.cpp"
-    src.write_text('#include <cstddef>\n#include "rlx/mps_gated_delta_plan.h"\n' + cpp +
-                   "\n".join(checks) + "\n")
-    proc = subprocess.run([CXX, "-std=c++20", "-fsyntax-only", "-w", f"-I{INCLUDE}",
-                           f"-I{REPO / 'csrc' / 'include'}", str(src)],
-                          capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+# ---- launch plans ---------------------------------------------------------------------------
 
 
 def backward_sizes(plans, p, max_threads=1024, budget=128 << 20):

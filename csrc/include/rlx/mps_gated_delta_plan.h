@@ -21,27 +21,10 @@
 #include <cstdint>
 
 #include "rlx/gdn_backward_layout.h"
+#include "rlx/mps_gated_delta_params.h"
 #include "rlx/mps_launch.h"
 
 namespace rlx::mps {
-
-// Field for field the GdnParams struct of gated_delta.metal (8-byte fields first: no padding
-// differences between the two compilers).
-struct GdnParams {
-  uint64_t tokens;
-  uint64_t dq_offset, dk_offset, dv_offset, dg_offset, dbeta_offset, dstate_offset;
-  uint64_t part_dk_offset, part_dg_offset, part_dbeta_offset;
-  uint32_t seq_len, num_seqs;
-  uint32_t num_qk_heads, num_v_heads, head_k_dim, head_v_dim;
-  uint32_t group, k_per_lane;
-  uint32_t gate_per_channel, has_initial_state, has_grad_final, varlen;
-  uint32_t chunk, simdgroups, num_vblocks, sub;
-  uint32_t window_lo, window_hi, window_chunks, reduce_simdgroups;
-  float scale;
-};
-static_assert(offsetof(GdnParams, seq_len) == 80 && offsetof(GdnParams, scale) == 160 &&
-                  sizeof(GdnParams) == 168,
-              "GdnParams must keep the layout of the struct in gated_delta.metal");
 
 enum class GdnDtype { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 

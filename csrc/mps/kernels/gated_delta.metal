@@ -11,29 +11,8 @@
 #include <metal_stdlib>
 using namespace metal;
 
-// Field for field the same as rlx::mps::GdnParams (mps_gated_delta_plan.h), which the host
-// code and the emulator tests fill.
-struct GdnParams {
-  ulong tokens;  // B * T (the packed token count)
-  // packed backward buffer slices (float offsets), from rlx::GdnBackwardLayout
-  ulong dq_offset, dk_offset, dv_offset, dg_offset, dbeta_offset, dstate_offset;
-  // backward partial sums (float offsets into the partials buffer)
-  ulong part_dk_offset, part_dg_offset, part_dbeta_offset;
-  uint seq_len;  // T
-  uint num_seqs;  // N
-  uint num_qk_heads, num_v_heads, head_k_dim, head_v_dim;
-  uint group;  // HV / H
-  uint k_per_lane;  // ceil(K / 32)
-  uint gate_per_channel, has_initial_state, has_grad_final, varlen;
-  uint chunk;  // checkpoint interval C
-  uint simdgroups;  // per threadgroup = state columns per V-block
-  uint num_vblocks;
-  uint sub;  // backward: states kept in threadgroup memory per sub-chunk
-  uint window_lo, window_hi;  // backward: chunk indices (per sequence) of this dispatch
-  uint window_chunks;  // chunks per window: partial rows = N * window_chunks * C
-  uint reduce_simdgroups;  // simdgroups per threadgroup of the reduction kernel
-  float scale;
-};
+#include "rlx/mps_gated_delta_params.h"  // GdnParams, shared with the host code
+using rlx::mps::GdnParams;
 
 constant constexpr uint kMaxKPerLane = 8;  // K <= 256
 
