@@ -35,6 +35,12 @@ test_gdn_backward_matches_cpu = mps_gdn.test_backward_matches_cpu
 test_gdn_non_contiguous_inputs = mps_gdn.test_non_contiguous_inputs_and_cpu_cu_seqlens
 test_gdn_bad_inputs_raise_errors = mps_gdn.test_bad_inputs_raise_errors_naming_the_argument
 test_gdn_checkpoint_tag = mps_gdn.test_backward_rejects_checkpoints_of_another_forward
+test_gdn_malformed_backward_inputs = (
+    mps_gdn.test_malformed_backward_inputs_get_the_shared_messages)
+test_gdn_vw_is_the_cpu_forwards = mps_gdn.test_vw_is_the_cpu_forwards
+test_gdn_l2norm_eps_matches_cpu = mps_gdn.test_l2norm_eps_matches_cpu
+test_gdn_l2norm_eps_gradient_matches_float64_reference = (
+    mps_gdn.test_l2norm_eps_gradient_matches_float64_reference)
 
 MTL_LANGUAGE_VERSION_3_1 = (3 << 16) + 1
 MTL_MATH_MODE_SAFE = 0

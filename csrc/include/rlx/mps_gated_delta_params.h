@@ -3,7 +3,7 @@
 // rlx/mps_gated_delta_plan.h). Written in what both languages accept: the Metal Shading
 // Language (C++14; the kernel includes <metal_stdlib> first, which provides the fixed-width
 // integer types) and host C++. Fixed-width fields only, 8-byte ones first, so both compilers
-// lay it out alike (tests/test_metal_params.py compares the two layouts).
+// lay it out alike with no padding (tests/test_metal_params.py compares the two layouts).
 // tools/embed_metal.py inlines this file into the embedded kernel source.
 #pragma once
 
@@ -34,13 +34,12 @@ struct GdnParams {
   uint32_t window_chunks;         // chunks per window: partial rows = N * window_chunks * C
   uint32_t reduce_simdgroups;     // simdgroups per threadgroup of the reduction kernel
   uint32_t qk_l2norm;             // L2-normalize each q and k row as it is read
+  uint32_t keeps_vw;              // forward: write vw (rlx::gdn_keeps_vw)
   float l2norm_eps;               // rows become x / sqrt(sum(x^2) + l2norm_eps)
   float scale;
 };
 
-// 10 8-byte fields, 23 4-byte ones, 4 bytes of tail padding (8-byte alignment in both
-// languages).
-static_assert(sizeof(GdnParams) == 176, "GdnParams: 10 8-byte fields, then 23 4-byte ones");
+static_assert(sizeof(GdnParams) == 176, "GdnParams: 10 8-byte fields, then 24 4-byte ones");
 
 }  // namespace mps
 }  // namespace rlx
