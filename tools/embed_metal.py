@@ -3,7 +3,8 @@
 setup.py calls generate(ROOT) on macOS and puts the returned directory on the include path;
 the Metal host code then does `#include "rlx/mps_kernels_embedded.h"` and compiles each source
 with newLibraryWithSource: at first use. The Linux compile check of the .mm files generates the
-same header. Run as a script to (re)generate it: `python tools/embed_metal.py`.
+same header. Run as a script to (re)generate it: `python tools/embed_metal.py`;
+`python tools/embed_metal.py --expand FILE.metal` prints one source as it is embedded.
 
 A kernel source may include the headers it shares with the host code (its params struct:
 `#include "rlx/mps_<kernel>_params.h"`, from csrc/include). newLibraryWithSource: cannot
@@ -133,4 +134,7 @@ def generate(root, out_dir=None):
 
 if __name__ == "__main__":
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    print(generate(here if len(sys.argv) < 2 else sys.argv[1]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--expand":  # one kernel's text as embedded
+        sys.stdout.write(read_kernel(sys.argv[2], here))
+    else:
+        print(generate(here if len(sys.argv) < 2 else sys.argv[1]))
