@@ -208,3 +208,21 @@ def test_pipelines_with_few_threads(rt, max_threads):
                                            grad_o.to("mps"), None, 8)
     _close(packed, ref, 2e-4)
     assert rt.counters()["violations"] == 0
+
+
+def test_l2norm_backward_within_its_pipelines_thread_limit(rt):
+    """The l2norm kernel shares the reduction's threadgroup size: a low limit on its own
+    pipeline (float16: no other test builds it first) lowers both, instead of a dispatch over
+    the limit (a Metal rule violation here)."""
+    rt.set_max_threads(32, "gated_delta_bwd_l2norm_f16")
+    p = Problem(B=1, T=11, H=1, HV=2, K=20, V=6, chunk=4, dtype=torch.float16, seed=4)
+    ins = (p.q, p.k, p.v, p.g, p.beta)
+    eps = 0.1
+    _, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, None, None, 4, eps)
+    grad_o = torch.randn(p.v.shape).half()
+    ref = torch.ops.rlx.gated_delta_bwd(*ins, p.scale, None, None, ckpt, grad_o, None, 4, eps,
+                                        vw)
+    got = torch.ops.rlx.gated_delta_bwd(*_mps(ins), p.scale, None, None, ckpt.to("mps"),
+                                        grad_o.to("mps"), None, 4, eps, vw.to("mps"))
+    _close(got, ref, 5e-4)
+    assert rt.counters()["violations"] == 0

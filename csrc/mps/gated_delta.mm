@@ -174,9 +174,14 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
   const auto f32 = q_in.options().dtype(at::kFloat);
   // Every element is written by the kernels (no zero-fill pass).
   at::Tensor packed = at::empty({lay.total}, f32);
-  const mps::GdnBackwardPlan plan =
-      mps::gdn_backward_plan(s, max_threads(true, s.dtype), mps::kGdnPartialBudget,
-                             mps::max_threads(kSource, mps::kGdnReduceKernel));
+  // The l2norm kernel runs with the reduction's threadgroups (params.reduce_simdgroups).
+  uint32_t reduce_threads = mps::max_threads(kSource, mps::kGdnReduceKernel);
+  if (s.qk_l2norm) {
+    reduce_threads = std::min(
+        reduce_threads, mps::max_threads(kSource, mps::gdn_l2norm_kernel_name(s.dtype)));
+  }
+  const mps::GdnBackwardPlan plan = mps::gdn_backward_plan(
+      s, max_threads(true, s.dtype), mps::kGdnPartialBudget, reduce_threads);
   at::Tensor partials = at::empty({int64_t(std::max<uint64_t>(plan.partial_floats, 1))}, f32);
   at::Tensor carry = plan.carry_floats > 0 ? at::empty({int64_t(plan.carry_floats)}, f32)
                                            : partials;

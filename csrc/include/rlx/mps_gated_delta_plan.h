@@ -166,7 +166,8 @@ inline uint64_t gdn_backward_tg_floats(uint32_t nsg, uint32_t sub, uint32_t kp, 
 
 // partial_budget: bytes of partial sums one window may use (at least one chunk's worth).
 // max_threads / max_reduce_threads: maxTotalThreadsPerThreadgroup of the gated_delta_bwd_*
-// and gated_delta_bwd_reduce pipelines (multiples of 32).
+// and gated_delta_bwd_reduce pipelines (multiples of 32; with l2norm, the smaller of the
+// reduce and gated_delta_bwd_l2norm_* pipelines', which share the threadgroup size).
 inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads = 1024,
                                          uint64_t partial_budget = kGdnPartialBudget,
                                          uint32_t max_reduce_threads = 1024) {
