@@ -163,7 +163,12 @@ def test_bad_inputs_raise_errors_naming_the_argument():
     with pytest.raises(RuntimeError, match="g and beta must be"):
         torch.ops.rlx.gated_delta_fwd(q, q, q, g16, g16, 1.0, None, None, 64)
     g = torch.zeros(1, 4, 1, device="mps")
+    for eps in (-1.0, float("nan")):
+        with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number"):
+            torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64, eps)
     o, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number"):
+        torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt, o, None, 64, -1.0)
     with pytest.raises(RuntimeError, match="checkpoints must be"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt[:0], o, None, 64)
     with pytest.raises(RuntimeError, match="all inputs must be on q's device mps"):

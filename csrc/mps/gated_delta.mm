@@ -111,9 +111,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
     int64_t chunk_size, std::optional<double> l2norm_eps) {
   const char* op = "rlx::gated_delta_fwd";
-  gdn_check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p = gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state,
                                         cu_seqlens, chunk_size);
+  gdn_check_l2norm_eps(op, l2norm_eps);  // (the CPU forward's order)
   check_mps(op, q_in);
   const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, false, l2norm_eps);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
