@@ -128,6 +128,27 @@ def test_mixed_meta_and_cpu_inputs_are_rejected(where):
         torch.ops.rlx.gated_delta_fwd(*args)
 
 
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_output_shapes_do_not_depend_on_the_device(name):
+    """The forward's outputs (vw included) have the same shapes and dtypes on every backend:
+    the fakes for CUDA and MPS tensors give the CPU kernel's (the MPS kernels are held to the
+    CPU's values in tests/test_metal_mps_gated_delta.py, under the mock runtime on Linux)."""
+    B, T, H, HV, K, V, per_channel, state, cu, eps = VARIANTS[name]
+    args = make(B, T, H, HV, K, V, per_channel, state, cu)
+    for chunk in (0, 4, 64):
+        real = torch.ops.rlx.gated_delta_fwd(*args[:5], 0.5, *args[5:], chunk, eps)
+        want = [(tuple(t.shape), t.dtype) for t in real]
+        assert (want[3][0] == tuple(args[2].shape)) == (chunk > 0 and not per_channel)
+        for device in ("cuda", "mps"):
+            with FakeTensorMode() as mode:
+                fakes = [None if t is None else torch.empty(t.shape, dtype=t.dtype, device=device)
+                         for t in args[:6]]
+                fakes.append(None if args[6] is None else mode.from_tensor(args[6]))  # (CPU)
+                out = torch.ops.rlx.gated_delta_fwd(*fakes[:5], 0.5, *fakes[5:], chunk, eps)
+            assert [(tuple(t.shape), t.dtype) for t in out] == want, (device, chunk)
+            assert all(t.device.type == device for t in out)
+
+
 @pytest.mark.parametrize("where", ["checkpoints", "grad_o", "grad_final_state", "vw"])
 def test_mixed_devices_in_backward_are_rejected(where):
     q, k, v, g, beta, h0, cu = make(2, 9, 2, 2, 4, 3, False, True, None)

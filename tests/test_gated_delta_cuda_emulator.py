@@ -81,6 +81,9 @@ def test_emulated_cuda_kernels_match_cpu(case, real, emulator, tmp_path):
 
     dq, dk, dv, dg, dbeta, dh0 = unpack_gradients(packed, q, v, g, h0, cu)
     expected = dict(o=o, ht=ht, dq=dq, dk=dk, dv=dv, dg=dg, dbeta=dbeta)
+    assert (vw.numel() > 0) == (not c["per_channel"])  # as the CUDA forward keeps it
+    if vw.numel() > 0:
+        expected["vw"] = vw
     if h0 is not None:
         expected["dh0"] = dh0
     for name, want in expected.items():

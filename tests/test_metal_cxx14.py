@@ -2,7 +2,9 @@
 (tests/metal_emu/cxx14/metal_prelude.h), once as Metal 3.0 (`__METAL_VERSION__` 300: no
 bfloat) and once as Metal 3.1 (310). MSL is based on C++14; the emulator's shim is C++20 and
 would accept later constructs that Apple's compiler rejects. The [[...]] attributes are
-stripped first (line numbers are kept), the address spaces are macros of the prelude."""
+stripped first (line numbers are kept), the address spaces are macros of the prelude. Each
+file is compiled as it is embedded for Metal (tools/embed_metal.py: its shared headers, such as
+the params structs, inlined)."""
 
 import glob
 import os
@@ -12,7 +14,7 @@ import subprocess
 
 import pytest
 
-from tests.metal_emu.translate import blank_comments
+from tests.metal_emu.translate import blank_comments, embed_metal
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRELUDE = os.path.join(ROOT, "tests", "metal_emu", "cxx14", "metal_prelude.h")
@@ -40,8 +42,7 @@ def compile_cxx14(src, metal_version, tmp_path, name="kernels"):
 @pytest.mark.parametrize("metal_version", [300, 310])
 @pytest.mark.parametrize("path", METAL_FILES, ids=os.path.basename)
 def test_metal_file_is_cxx14(path, metal_version, tmp_path):
-    with open(path, encoding="utf-8") as f:
-        proc = compile_cxx14(f.read(), metal_version, tmp_path)
+    proc = compile_cxx14(embed_metal.read_kernel(path, ROOT), metal_version, tmp_path)
     assert proc.returncode == 0, proc.stderr[-6000:]
 
 

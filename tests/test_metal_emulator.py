@@ -203,7 +203,9 @@ def test_builtin_positions_in_3d_grid(lib):
 
 
 def test_translation_errors():
-    with pytest.raises(TranslationError, match="only <metal_stdlib> may be included"):
+    with pytest.raises(TranslationError, match="only <metal_stdlib> and the kernel's shared"):
+        load_source('#include <metal_stdlib>\n#include <vector>\n', "bad_include")
+    with pytest.raises(TranslationError, match='#include "foo.h" is not a file under'):
         load_source('#include <metal_stdlib>\n#include "foo.h"\n', "bad_include")
     with pytest.raises(TranslationError, match="threadgroup variables must be kernel parameters"):
         load_source("kernel void k(device float* x [[buffer(0)]]) {\n"

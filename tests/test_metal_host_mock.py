@@ -35,6 +35,12 @@ test_gdn_backward_matches_cpu = mps_gdn.test_backward_matches_cpu
 test_gdn_non_contiguous_inputs = mps_gdn.test_non_contiguous_inputs_and_cpu_cu_seqlens
 test_gdn_bad_inputs_raise_errors = mps_gdn.test_bad_inputs_raise_errors_naming_the_argument
 test_gdn_checkpoint_tag = mps_gdn.test_backward_rejects_checkpoints_of_another_forward
+test_gdn_malformed_backward_inputs = (
+    mps_gdn.test_malformed_backward_inputs_get_the_shared_messages)
+test_gdn_vw_is_the_cpu_forwards = mps_gdn.test_vw_is_the_cpu_forwards
+test_gdn_l2norm_eps_matches_cpu = mps_gdn.test_l2norm_eps_matches_cpu
+test_gdn_l2norm_eps_gradient_matches_float64_reference = (
+    mps_gdn.test_l2norm_eps_gradient_matches_float64_reference)
 
 MTL_LANGUAGE_VERSION_3_1 = (3 << 16) + 1
 MTL_MATH_MODE_SAFE = 0
@@ -201,4 +207,22 @@ def test_pipelines_with_few_threads(rt, max_threads):
     packed = torch.ops.rlx.gated_delta_bwd(*m, p.scale, None, None, ckpt.to("mps"),
                                            grad_o.to("mps"), None, 8)
     _close(packed, ref, 2e-4)
+    assert rt.counters()["violations"] == 0
+
+
+def test_l2norm_backward_within_its_pipelines_thread_limit(rt):
+    """The l2norm kernel shares the reduction's threadgroup size: a low limit on its own
+    pipeline (float16: no other test builds it first) lowers both, instead of a dispatch over
+    the limit (a Metal rule violation here)."""
+    rt.set_max_threads(32, "gated_delta_bwd_l2norm_f16")
+    p = Problem(B=1, T=11, H=1, HV=2, K=20, V=6, chunk=4, dtype=torch.float16, seed=4)
+    ins = (p.q, p.k, p.v, p.g, p.beta)
+    eps = 0.1
+    _, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, None, None, 4, eps)
+    grad_o = torch.randn(p.v.shape).half()
+    ref = torch.ops.rlx.gated_delta_bwd(*ins, p.scale, None, None, ckpt, grad_o, None, 4, eps,
+                                        vw)
+    got = torch.ops.rlx.gated_delta_bwd(*_mps(ins), p.scale, None, None, ckpt.to("mps"),
+                                        grad_o.to("mps"), None, 4, eps, vw.to("mps"))
+    _close(got, ref, 5e-4)
     assert rt.counters()["violations"] == 0

@@ -3,6 +3,7 @@ construct it is meant to reject. Also checks the generated header that embeds th
 
 import glob
 import os
+import re
 import sys
 
 import pytest
@@ -49,7 +50,11 @@ def test_clean_source_passes():
         ("return 2.0f * x;", "return double(2) * x;", "`double` is not supported"),
         ("return 2.0f * x;", "return std::max(x, 0.0f);", "`std::` is not available"),
         ("using namespace metal;", '#include "common.h"\nusing namespace metal;',
-         "only <metal_stdlib> may be included"),
+         "only <metal_stdlib> and a shared params header"),
+        ("using namespace metal;", "#include <cstdint>\nusing namespace metal;",
+         "only <metal_stdlib> and a shared params header"),
+        ("using namespace metal;", '#include "rlx/mps_nothing_params.h"\nusing namespace metal;',
+         "is not a file under"),
         ("return 2.0f * x;", "return x > 1.0f ? twice(x / 2.0f) : x;", "recursion: twice -> twice"),
         ("threadgroup float* row = tile + 1;", "threadgroup float row[4];",
          "threadgroup variable declared in a function body"),
@@ -79,6 +84,29 @@ def test_lint_finds_mutual_recursion():
     assert any("recursion: even -> odd -> even" in p for p in problems), problems
 
 
+PARAMS_GOOD = GOOD.replace("using namespace metal;", 'using namespace metal;\n'
+                           '#include "rlx/mps_gated_delta_params.h"\n'
+                           "using rlx::mps::GdnParams;").replace(
+    "uint i [[thread_position_in_grid]]",
+    "constant GdnParams& p [[buffer(1)]], uint i [[thread_position_in_grid]]")
+
+
+def test_params_struct_comes_from_the_shared_header():
+    assert msl_lint.lint_source(PARAMS_GOOD, "good.metal") == []
+    # the struct written into the kernel source again (a second definition) is rejected
+    local = PARAMS_GOOD.replace('#include "rlx/mps_gated_delta_params.h"\n'
+                                "using rlx::mps::GdnParams;",
+                                "struct GdnParams {\n  uint tokens;\n};")
+    problems = msl_lint.lint_source(local, "bad.metal")
+    assert len(problems) == 1 and "params struct GdnParams (kernel k) is defined in the " \
+        "kernel source" in problems[0] and problems[0].startswith("bad.metal:3:"), problems
+    # the rules apply to the inlined header too; line numbers stay the kernel file's
+    bad = PARAMS_GOOD.replace("row[0] = twice(x[i]);", "row[0] = twice(x[i]) + double(1);")
+    problems = msl_lint.lint_source(bad, "bad.metal")
+    assert problems == ["bad.metal:9: `double` is not supported on Apple GPUs; use float"], \
+        problems
+
+
 def test_embedded_header_holds_every_kernel_file(tmp_path):
     out = embed_metal.generate(ROOT, str(tmp_path))
     text = (tmp_path / "rlx" / "mps_kernels_embedded.h").read_text()
@@ -86,8 +114,29 @@ def test_embedded_header_holds_every_kernel_file(tmp_path):
     kernel_files = embed_metal.kernel_files(ROOT)
     assert f"kNumSources = {len(kernel_files)};" in text
     for path in kernel_files:
+        embedded = embed_metal.read_kernel(path, ROOT)
+        assert embedded in text
+        # Metal compiles the source at run time without include paths: the shared headers
+        # are inlined (once each), the kernel's own text kept around them
+        assert not re.search(r'^\s*#\s*include\s*"', embedded, flags=re.M), path
         with open(path) as f:
-            assert f.read() in text
+            own = f.read()
+        for header in re.findall(r'^#include "(rlx/[^"]+)"', own, flags=re.M):
+            with open(os.path.join(ROOT, "csrc", "include", header)) as f:
+                body = f.read().replace("#pragma once", "")
+            assert embedded.count(f'#line 1 "{header}"\n') == 1 and body.rstrip() in embedded
+
+
+def test_expand_includes_keeps_line_numbers_and_includes_once(tmp_path):
+    (tmp_path / "rlx").mkdir()
+    (tmp_path / "rlx" / "a.h").write_text("#pragma once\nstruct A { int x; };\n")
+    (tmp_path / "rlx" / "b.h").write_text('#pragma once\n#include "rlx/a.h"\nstruct B {};\n')
+    src = 'one\n#include "rlx/b.h"\n#include "rlx/a.h"\nfour\n'
+    out = embed_metal.expand_includes(src, "k.metal", str(tmp_path))
+    assert out == ('one\n#line 1 "rlx/b.h"\n\n#line 1 "rlx/a.h"\n\nstruct A { int x; };\n'
+                   '#line 3 "rlx/b.h"\nstruct B {};\n#line 3 "k.metal"\n\nfour\n'), out
+    with pytest.raises(FileNotFoundError, match="not a file under"):
+        embed_metal.expand_includes('#include "../secret.h"\n', "k.metal", str(tmp_path))
     with pytest.raises(ValueError, match="delimiter"):
         embed_metal.render([("x.metal", 'a )RLX_METAL" b')])
 

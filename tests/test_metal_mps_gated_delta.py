@@ -163,12 +163,164 @@ def test_bad_inputs_raise_errors_naming_the_argument():
     with pytest.raises(RuntimeError, match="g and beta must be"):
         torch.ops.rlx.gated_delta_fwd(q, q, q, g16, g16, 1.0, None, None, 64)
     g = torch.zeros(1, 4, 1, device="mps")
+    for eps in (-1.0, float("nan")):
+        with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number"):
+            torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64, eps)
     o, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(q, q, q, g, g, 1.0, None, None, 64)
+    with pytest.raises(RuntimeError, match="l2norm_eps must be None or a finite number"):
+        torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt, o, None, 64, -1.0)
     with pytest.raises(RuntimeError, match="checkpoints must be"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt[:0], o, None, 64)
-    with pytest.raises(RuntimeError, match="checkpoints must be on the MPS device"):
+    with pytest.raises(RuntimeError, match="all inputs must be on q's device mps"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt.cpu(), o, None, 64)
-    assert vw.numel() == 0  # the MPS forward keeps no vw; its backward takes none
-    with pytest.raises(RuntimeError, match="vw must be None or empty on MPS"):
+    assert vw.shape == q.shape  # as on the CPU: chunk_size > 0, one gate per head
+    with pytest.raises(RuntimeError, match="vw must be the Float"):
         torch.ops.rlx.gated_delta_bwd(q, q, q, g, g, 1.0, None, None, ckpt, o, None, 64, None,
-                                      torch.zeros_like(q))
+                                      vw[:, :2])
+
+
+def _backward_args(device, chunk=4):
+    p = Problem(B=1, T=9, H=1, HV=2, K=16, V=8, initial_state=True, chunk=chunk, seed=6)
+    d = (lambda t: t) if device == "cpu" else to_mps
+    ins = [d(t) for t in (p.q, p.k, p.v, p.g, p.beta)]
+    o, final, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, d(p.h0), None, chunk)
+    return p, ins, o, final, ckpt, vw
+
+
+# (what is wrong, the backward's arguments after the forward's, the message)
+MALFORMED_BACKWARD = [
+    ("checkpoints", lambda c, o, f, vw: (c[:-1], o, f, vw), "checkpoints must be the Float"),
+    ("checkpoints dtype", lambda c, o, f, vw: (c.half(), o, f, vw),
+     "checkpoints must be the Float"),
+    ("grad_o", lambda c, o, f, vw: (c, o[:, :3], f, vw), "grad_o must have o's shape"),
+    ("grad_o dtype", lambda c, o, f, vw: (c, o.half(), f, vw), "grad_o must have o's shape"),
+    ("grad_final_state", lambda c, o, f, vw: (c, o, f[..., :2], vw),
+     "grad_final_state must be Float"),
+    ("vw", lambda c, o, f, vw: (c, o, f, vw[:, :4]), "vw must be the Float"),
+]
+
+
+@pytest.mark.parametrize("what,change,message", MALFORMED_BACKWARD,
+                         ids=[m[0] for m in MALFORMED_BACKWARD])
+def test_malformed_backward_inputs_get_the_shared_messages(what, change, message):
+    """The MPS backward checks its inputs with the checks every backend shares
+    (rlx/gdn_checks.h): the CPU op rejects the same input with the same message."""
+    errors = {}
+    for device in ("cpu", "mps"):
+        p, ins, o, final, ckpt, vw = _backward_args(device)
+        d = (lambda t: t) if device == "cpu" else to_mps
+        args = change(ckpt, torch.randn_like(o), torch.randn_like(final), vw)
+        with pytest.raises(RuntimeError, match=message) as e:
+            torch.ops.rlx.gated_delta_bwd(*ins, p.scale, d(p.h0), None, *args[:3], p.chunk,
+                                          None, args[3])
+        errors[device] = str(e.value).splitlines()[0].replace("mps:0", "DEV").replace(
+            "cpu", "DEV").replace("mps", "DEV")
+    assert errors["cpu"] == errors["mps"], errors
+
+
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_vw_is_the_cpu_forwards(per_channel):
+    """The forward's outputs have the same shapes on every backend: vw is v - P^T k per
+    token when chunk_size > 0 and the gate is per head, else empty."""
+    p = Problem(B=2, T=11, H=1, HV=2, K=20, V=9, per_channel=per_channel, initial_state=True,
+                chunk=4, seed=2)
+    ins = (p.q, p.k, p.v, p.g, p.beta)
+    for chunk in (4, 0):
+        want = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, p.h0, None, chunk)
+        got = torch.ops.rlx.gated_delta_fwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0),
+                                            None, chunk)
+        for a, e in zip(got, want, strict=True):
+            assert a.shape == e.shape and a.dtype == e.dtype and a.device.type == "mps"
+        assert want[3].numel() == (p.v.numel() if chunk > 0 and not per_channel else 0)
+        assert_close(got[3].cpu(), want[3], 1e-5, "vw")
+    # the CPU backward takes the MPS forward's vw (and checks it against its checkpoints)
+    _, _, ckpt, vw = got = torch.ops.rlx.gated_delta_fwd(*[to_mps(t) for t in ins], p.scale,
+                                                         to_mps(p.h0), None, 4)
+    grad_o, grad_h = torch.randn(p.v.shape), torch.randn(got[1].shape)
+    ref = torch.ops.rlx.gated_delta_bwd(*ins, p.scale, p.h0, None, ckpt.cpu(), grad_o, grad_h,
+                                        4, None, vw.cpu())
+    back = torch.ops.rlx.gated_delta_bwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0), None,
+                                         ckpt, grad_o.to("mps"), grad_h.to("mps"), 4, None, vw)
+    assert_close(back.cpu(), ref, 2e-4, "packed gradients")
+
+
+L2NORM_CASES = {
+    "basic": dict(B=2, T=9, H=1, HV=1, K=16, V=8, chunk=4),
+    "gva_varlen_state": dict(B=1, T=13, H=2, HV=4, K=37, V=9, cu_seqlens=[0, 6, 6, 13],
+                             initial_state=True, chunk=4),
+    "per_channel_vblocks": dict(B=1, T=7, H=1, HV=2, K=70, V=21, per_channel=True, chunk=3,
+                                initial_state=True),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", sorted(L2NORM_CASES))
+def test_l2norm_eps_matches_cpu(case, dtype):
+    """l2norm_eps means on MPS what it means on the CPU: the kernels normalize the raw q and
+    k rows (x / sqrt(sum x^2 + eps), in float), and the backward returns the raw rows'
+    gradients. Raw (unnormalized, scaled) q and k, and a large eps, so that it matters."""
+    p = Problem(**L2NORM_CASES[case], dtype=dtype, seed=11)
+    gen = torch.Generator().manual_seed(3)
+    q = (torch.randn(p.q.shape, generator=gen) * 0.7).to(dtype)
+    k = (torch.randn(p.k.shape, generator=gen) * 0.7).to(dtype)
+    eps = 0.25
+    ins = (q, k, p.v, p.g, p.beta)
+    want = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, p.h0, p.cu, p.chunk, eps)
+    got = torch.ops.rlx.gated_delta_fwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0),
+                                        to_mps(p.cu), p.chunk, eps)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for name, a, e in zip(("o", "final_state", "checkpoints", "vw"), got, want, strict=True):
+        assert a.shape == e.shape, name
+        if name == "checkpoints":
+            a, e = a[written_slots(p)], e[written_slots(p)]
+        assert_close(a.cpu(), e, tol if name == "o" else 1e-4, name)
+    grad_o = torch.randn(p.v.shape, generator=gen).to(dtype)
+    grad_h = torch.randn(want[1].shape, generator=gen)
+    ref = torch.ops.rlx.gated_delta_bwd(*ins, p.scale, p.h0, p.cu, want[2], grad_o, grad_h,
+                                        p.chunk, eps, want[3])
+    packed = torch.ops.rlx.gated_delta_bwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0),
+                                           to_mps(p.cu), got[2], grad_o.to("mps"),
+                                           grad_h.to("mps"), p.chunk, eps, got[3]).cpu()
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+    for name, a, e in zip(names, unpack_gradients(packed, q, p.v, p.g, p.h0, p.cu),
+                          unpack_gradients(ref, q, p.v, p.g, p.h0, p.cu), strict=True):
+        if e is not None:
+            assert_close(a, e, 5e-4, name)
+    # the tag holds l2norm_eps: checkpoints of a forward without it are rejected
+    plain = torch.ops.rlx.gated_delta_fwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0),
+                                          to_mps(p.cu), p.chunk)
+    with pytest.raises(RuntimeError, match="checkpoints do not come from"):
+        torch.ops.rlx.gated_delta_bwd(*[to_mps(t) for t in ins], p.scale, to_mps(p.h0),
+                                      to_mps(p.cu), plain[2], grad_o.to("mps"), None, p.chunk,
+                                      eps)
+
+
+def test_l2norm_eps_gradient_matches_float64_reference():
+    """The MPS gradients with l2norm_eps against autograd through the float64 reference of
+    the math (l2norm, then the recurrence)."""
+    from rlx_torch.ops import reference
+
+    p = Problem(B=1, T=10, H=1, HV=2, K=24, V=6, initial_state=True, chunk=4, seed=12)
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(p.q.shape, generator=gen) for _ in range(2))
+    eps = 0.5
+    leaves = [t.double().requires_grad_() for t in (q, k, p.v, p.g, p.beta, p.h0)]
+
+    def norm(x):
+        return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+    o, ht = reference.gated_delta_rule(norm(leaves[0]), norm(leaves[1]), *leaves[2:5],
+                                       p.scale, leaves[5], True, None)
+    grad_o = torch.randn(o.shape, generator=gen, dtype=torch.float64)
+    grad_h = torch.randn(ht.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad((o * grad_o).sum() + (ht * grad_h).sum(), leaves)
+    ins = [to_mps(t) for t in (q, k, p.v, p.g, p.beta)]
+    o_mps, _, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*ins, p.scale, to_mps(p.h0), None, 4, eps)
+    assert_close(o_mps.cpu(), o.detach(), 1e-4, "o")
+    packed = torch.ops.rlx.gated_delta_bwd(*ins, p.scale, to_mps(p.h0), None, ckpt,
+                                           grad_o.float().to("mps"), grad_h.float().to("mps"),
+                                           4, eps, vw).cpu()
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dstate")
+    for name, a, e in zip(names, unpack_gradients(packed, q, p.v, p.g, p.h0, None), want,
+                          strict=True):
+        assert_close(a, e, 5e-4, name)

@@ -3,7 +3,13 @@
 setup.py calls generate(ROOT) on macOS and puts the returned directory on the include path;
 the Metal host code then does `#include "rlx/mps_kernels_embedded.h"` and compiles each source
 with newLibraryWithSource: at first use. The Linux compile check of the .mm files generates the
-same header. Run as a script to (re)generate it: `python tools/embed_metal.py`.
+same header. Run as a script to (re)generate it: `python tools/embed_metal.py`;
+`python tools/embed_metal.py --expand FILE.metal` prints one source as it is embedded.
+
+A kernel source may include the headers it shares with the host code (its params struct:
+`#include "rlx/mps_<kernel>_params.h"`, from csrc/include). newLibraryWithSource: cannot
+resolve includes, so expand_includes() inlines them; the emulator, the C++14 check and the
+lint read the sources through the same function, so all of them see the text Metal compiles.
 """
 
 import os
@@ -12,6 +18,51 @@ import sys
 
 DELIM = "RLX_METAL"
 HEADER = "rlx/mps_kernels_embedded.h"
+
+
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"[^\n]*$', re.M)
+_PRAGMA_ONCE = re.compile(r"^[ \t]*#[ \t]*pragma[ \t]+once\b[^\n]*$", re.M)
+
+
+def include_dir(root):
+    """The directory the kernels' quoted includes are resolved against (csrc/include)."""
+    return os.path.join(root, "csrc", "include")
+
+
+def expand_includes(text, name, inc_dir, _seen=None):
+    """text with every `#include "path"` replaced by the file inc_dir/path (each file once, as
+    its `#pragma once` would; nested includes expanded too), framed by `#line` directives so
+    that compiler messages name the header and the includer's own line numbers.
+
+    name: the includer's file name as compilers should report it. An include that is not a
+    file under inc_dir raises FileNotFoundError. Angle-bracket includes are left as written.
+    """
+    seen = set() if _seen is None else _seen
+    out, last = [], 0
+    for m in _QUOTED_INCLUDE.finditer(text):
+        rel = m.group(1)
+        path = os.path.normpath(os.path.join(inc_dir, rel))
+        if not path.startswith(os.path.normpath(inc_dir) + os.sep) or not os.path.isfile(path):
+            raise FileNotFoundError(f"{name}: #include \"{rel}\" is not a file under {inc_dir}")
+        out.append(text[last : m.start()])
+        last = m.end()
+        if path in seen:
+            continue
+        seen.add(path)
+        with open(path, encoding="utf-8") as f:
+            body = _PRAGMA_ONCE.sub("", f.read())
+        body = expand_includes(body, rel, inc_dir, seen)
+        line = text.count("\n", 0, m.start()) + 2  # the line after the include
+        out.append(f'#line 1 "{rel}"\n{body.rstrip()}\n#line {line} "{name}"')
+    out.append(text[last:])
+    return "".join(out)
+
+
+def read_kernel(path, root):
+    """A kernel file's text as it is embedded (its includes expanded)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return expand_includes(text, os.path.basename(path), include_dir(root))
 
 
 def _identifier(stem):
@@ -65,8 +116,7 @@ def generate(root, out_dir=None):
     out_dir = out_dir or os.path.join(root, "build", "generated")
     sources = []
     for path in kernel_files(root):
-        with open(path, encoding="utf-8") as f:
-            sources.append((os.path.basename(path), f.read()))
+        sources.append((os.path.basename(path), read_kernel(path, root)))
     text = render(sources)
     target = os.path.join(out_dir, HEADER)
     os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -84,4 +134,7 @@ def generate(root, out_dir=None):
 
 if __name__ == "__main__":
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    print(generate(here if len(sys.argv) < 2 else sys.argv[1]))
+    if len(sys.argv) == 3 and sys.argv[1] == "--expand":  # one kernel's text as embedded
+        sys.stdout.write(read_kernel(sys.argv[2], here))
+    else:
+        print(generate(here if len(sys.argv) < 2 else sys.argv[1]))

@@ -1,7 +1,11 @@
 """Lint for the Metal sources: rejects MSL that Metal or the CPU emulator would not accept.
 
 Rules (see DESIGN.md, "Metal without a Mac"):
-- no `double` (Apple GPUs have none), no `std::`, no include but <metal_stdlib>;
+- no `double` (Apple GPUs have none), no `std::`, no include but <metal_stdlib> and the
+  kernel's params header shared with the host code ("rlx/mps_*_params.h" in csrc/include,
+  checked with the source it is inlined into, as tools/embed_metal.py embeds it);
+- a struct passed as a kernel's `constant T&` params is not defined in the .metal file: it
+  lives in that shared header, the one definition the host code uses too;
 - no recursion (Metal forbids it), found through the call graph of the file's functions;
 - no `threadgroup` variables declared in a function body: threadgroup memory is a
   `[[threadgroup(i)]]` kernel parameter sized by the launch plan;
@@ -39,7 +43,52 @@ def _strip(src):
 
 
 def _line(code, pos):
-    return code.count("\n", 0, pos) + 1
+    from tests.metal_emu.translate import _line_of
+
+    return _line_of(code, pos)  # honours the #line directives of inlined headers
+
+
+_PARAMS_HEADER = re.compile(r"rlx/mps_\w+_params\.h")
+
+
+def _include_problems(src, path):
+    """Includes of the file as written: <metal_stdlib>, or a shared params header."""
+    from tests.metal_emu.translate import blank_comments
+
+    code = blank_comments(src)
+    out = []
+    for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
+        what = m.group(1).strip()
+        header = what[1:-1] if what.startswith('"') and what.endswith('"') else None
+        if what == "<metal_stdlib>" or (header and _PARAMS_HEADER.fullmatch(header)):
+            continue
+        out.append(f"{path}:{code.count(chr(10), 0, m.start()) + 1}: only <metal_stdlib> and "
+                   f"a shared params header (\"rlx/mps_*_params.h\") may be included, not {what}")
+    return out
+
+
+def _params_struct_problems(code, path):
+    """Kernel params structs (`constant T& p [[buffer(i)]]`) defined in the kernel file."""
+    from tests.metal_emu.translate import TranslationError, find_kernels
+
+    try:
+        kernels = find_kernels(code)
+    except TranslationError:
+        return []  # reported by the translation below
+    out, seen = [], set()
+    for name, k in kernels.items():
+        for p in k.params:
+            m = re.fullmatch(r"constant\s+(?:const\s+)?(\w+)\s*&", p.ctype)
+            if not m or m.group(1) in seen:
+                continue
+            seen.add(m.group(1))
+            d = re.search(r"\bstruct\s+" + m.group(1) + r"\s*\{", code)
+            if d:
+                out.append(f"{path}:{_line(code, d.start())}: params struct {m.group(1)} "
+                           f"(kernel {name}) is defined in the kernel source: define it in a "
+                           "header shared with the host code (rlx/mps_<kernel>_params.h) and "
+                           "include that")
+    return out
 
 
 def _functions(code):
@@ -147,12 +196,22 @@ _FAST_VARIANTS = ("exp", "exp2", "exp10", "log", "log2", "log10", "pow", "powr",
                   "tanh", "sin", "cos", "tan")
 
 
-def lint_source(src, path="<source>"):
-    """Returns a list of 'path:line: message' strings."""
-    from tests.metal_emu.translate import TranslationError, translate
+def lint_source(src, path="<source>", host_params=True):
+    """Returns a list of 'path:line: message' strings. host_params: the kernels' params come
+    from host code (csrc/mps/kernels), so their structs must be in a shared header (the
+    emulator's self-test kernels, launched from Python, define theirs in place)."""
+    from tests.metal_emu.translate import TranslationError, embed_metal, translate
 
+    out = _include_problems(src, path)
+    if host_params:
+        out += _params_struct_problems(_strip(src), path)
+    if out:
+        return out
+    try:  # the rules below apply to the text as embedded: shared headers inlined
+        src = embed_metal.expand_includes(src, path, embed_metal.include_dir(ROOT))
+    except FileNotFoundError as e:
+        return [f"{path}: {e}"]
     code = _strip(src)
-    out = []
 
     def report(pos, msg):
         out.append(f"{path}:{_line(code, pos)}: {msg}")
@@ -161,9 +220,6 @@ def lint_source(src, path="<source>"):
         report(m.start(), "`double` is not supported on Apple GPUs; use float")
     for m in re.finditer(r"\bstd\s*::", code):
         report(m.start(), "`std::` is not available in Metal; use metal:: functions")
-    for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
-        if m.group(1).strip() != "<metal_stdlib>":
-            report(m.start(), f"only <metal_stdlib> may be included, not {m.group(1).strip()}")
     for m in re.finditer(r"(?<![\w:.])(" + "|".join(_FAST_VARIANTS) + r")\s*\(", code):
         report(m.start(), f"bare {m.group(1)}(): write precise::{m.group(1)} (or fast::) so "
                "the accuracy does not depend on the library's math mode")
@@ -219,7 +275,11 @@ def lint_files(paths):
         with open(p, encoding="utf-8") as f:
             text = f.read()
         rel = os.path.relpath(p, ROOT)
-        problems += lint_source(text, rel) if p.endswith(".metal") else lint_host_source(text, rel)
+        if p.endswith(".metal"):
+            host_params = os.path.dirname(os.path.abspath(p)) == KERNEL_DIR
+            problems += lint_source(text, rel, host_params)
+        else:
+            problems += lint_host_source(text, rel)
     return problems
 
 
@@ -230,8 +290,11 @@ def host_files():
     return sorted(os.path.join(mdir, f) for f in os.listdir(mdir) if f.endswith((".mm", ".h")))
 
 
+KERNEL_DIR = os.path.join(ROOT, "csrc", "mps", "kernels")
+
+
 def default_files():
-    kdir = os.path.join(ROOT, "csrc", "mps", "kernels")
+    kdir = KERNEL_DIR
     if not os.path.isdir(kdir):
         return host_files()
     return sorted(os.path.join(kdir, f) for f in os.listdir(kdir)

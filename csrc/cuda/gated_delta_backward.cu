@@ -170,19 +170,6 @@ void launch_backward(const BwdArgs<qk_t, v_t, acc_t>& A, int64_t blocks, cudaStr
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void check_backward_inputs(const char* op, const GdnProblem& p, const at::Tensor& v,
-                           const at::Tensor& checkpoints, const at::Tensor& grad_o,
-                           const std::optional<at::Tensor>& grad_final_state,
-                           const std::optional<at::Tensor>& vw) {
-  gdn_check_backward_shapes(op, p, v, checkpoints, grad_o, grad_final_state);
-  if (vw.has_value() && vw->numel() > 0) {
-    TORCH_CHECK(vw->sizes() == v.sizes() && vw->scalar_type() == p.acc_dtype, op,
-                ": vw must be the ", p.acc_dtype, " ", v.sizes(),
-                " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
-                vw->scalar_type(), " ", vw->sizes());
-  }
-}
-
 // The checkpoints' tag (gdn_checks.h), read from device memory: one 4-byte copy to the host.
 void check_tag(const char* op, const at::Tensor& ckpt, uint32_t tag) {
   if (ckpt.numel() == 0) return;
@@ -206,14 +193,14 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                 const std::optional<at::Tensor>& vw) {
   const char* op = "rlx::gated_delta_bwd";
   require_opt_in(op);
-  check_l2norm_eps(op, l2norm_eps);
+  gdn_check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
-  gdn_check_backward_devices(op, q_in, checkpoints, grad_o_in, grad_final_state, vw);
-  check_backward_inputs(op, p, v_in, checkpoints, grad_o_in, grad_final_state, vw);
+  // (vw, when given, is checked as on every backend and not read: recomputed with the states)
+  gdn_check_backward_inputs(op, p, q_in, v_in, checkpoints, grad_o_in, grad_final_state, vw);
   const c10::cuda::CUDAGuard guard(q_in.device());
-  const bool keeps_vw = vw.has_value() && vw->numel() > 0;
-  check_tag(op, checkpoints, gdn_checkpoint_tag(p.chunk, l2norm_eps, keeps_vw));
+  check_tag(op, checkpoints,
+            gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p.chunk, p.gate_per_channel)));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const SeqLens cu = seq_lens(cu_seqlens, q_in.device());
   at::Tensor q = q_in.contiguous(), k = k_in.contiguous();

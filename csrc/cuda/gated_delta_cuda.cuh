@@ -328,11 +328,6 @@ inline void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
-inline void check_l2norm_eps(const char* op, std::optional<double> eps) {
-  TORCH_CHECK(!eps.has_value() || (std::isfinite(*eps) && *eps >= 0), op,
-              ": l2norm_eps must be None or a finite number >= 0, got ", eps.value_or(0));
-}
-
 // fla's l2norm in the accumulation dtype: (x r, r), r = (sum x^2 + eps)^-1/2 per row. The
 // normalized rows stay in the accumulation dtype (as the CPU kernels read them).
 inline std::pair<at::Tensor, at::Tensor> l2norm_rows(const at::Tensor& x, double eps,

@@ -1,7 +1,7 @@
 // rlx::gated_delta_fwd on CUDA (the formulation: gated_delta_cuda.cuh). Same contract as the
 // CPU kernel (rlx_torch/ops/gated_delta.py): o, final state, the checkpoints every chunk_size
-// tokens in the shared slot layout (gdn_backward_layout.h) with the same tag; vw is not kept
-// (an empty tensor), as on MPS.
+// tokens in the shared slot layout (gdn_backward_layout.h) with the same tag, and vw (v - P^T k
+// per token) under the same rule (gdn_keeps_vw), so that every backend returns the same shapes.
 #ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -21,6 +21,7 @@ struct FwdArgs {
   const acc_t *g, *beta, *h0;
   v_t* out;
   acc_t *ht, *ckpt;
+  acc_t* vw = nullptr;  // [B*T, HV, V], or nullptr: not kept
 };
 
 template <typename qk_t, typename v_t, typename acc_t, bool kPerChannel>
@@ -56,9 +57,11 @@ __global__ void __launch_bounds__(kMaxWarps * kWarp)
       }
       acc_t y;
       const acc_t x = decay_and_project<true>(S, s, i, Kp, warps, b, buf, &y);
-      const acc_t u = s.beta[i] * (s.v[i * kCols + b.lane] - x);
+      const acc_t w = s.v[i * kCols + b.lane] - x;  // v - P^T k
+      const acc_t u = s.beta[i] * w;
       if (b.w == 0 && b.col < d.V) {
         A.out[(tok * d.HV + b.hv) * d.V + b.col] = static_cast<v_t>(d.scale * (y + s.kq[i] * u));
+        if (A.vw != nullptr) A.vw[(tok * d.HV + b.hv) * d.V + b.col] = w;
       }
       rank1_update(S, s, i, Kp, b, u);
     }
@@ -110,7 +113,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
   require_opt_in(op);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
-  check_l2norm_eps(op, l2norm_eps);
+  gdn_check_l2norm_eps(op, l2norm_eps);
   const c10::cuda::CUDAGuard guard(q_in.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const SeqLens cu = seq_lens(cu_seqlens, q_in.device());
@@ -129,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
   at::Tensor ht = at::empty({p.num_seqs, HV, K, V}, acc_opts);
   at::Tensor ckpt =
       at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V}, acc_opts);
-  at::Tensor vw = at::empty({0}, acc_opts);
+  const bool keeps_vw = gdn_keeps_vw(p.chunk, p.gate_per_channel);
+  at::Tensor vw = at::empty(keeps_vw ? v.sizes() : at::IntArrayRef{0}, acc_opts);
   zero_unused_slots(p, cu.host_ptr(), ckpt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "gated_delta_fwd", [&] {
     using v_t = scalar_t;
@@ -147,6 +151,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
       A.out = o.data_ptr<v_t>();
       A.ht = ht.data_ptr<acc_t>();
       A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<acc_t>() : nullptr;
+      A.vw = vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr;
       if (p.gate_per_channel) {
         launch_forward<qk_t, v_t, acc_t, true>(A, p.num_seqs, stream);
       } else {
@@ -160,7 +165,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
     }
   });
   if (ckpt.numel() > 0) {  // the tag: first 4 bytes of the last slot (gdn_checks.h)
-    const uint32_t tag = gdn_checkpoint_tag(p.chunk, l2norm_eps, false);
+    const uint32_t tag = gdn_checkpoint_tag(p.chunk, l2norm_eps, keeps_vw);
     int32_t as_int;
     std::memcpy(&as_int, &tag, sizeof(as_int));
     ckpt.select(0, ckpt.size(0) - 1).view(at::kInt).view(-1).select(0, 0).fill_(as_int);

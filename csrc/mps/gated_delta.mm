@@ -1,5 +1,5 @@
-// Gated delta rule on MPS: host code of csrc/mps/kernels/gated_delta.metal. Validation is the
-// CPU op's (rlx/gdn_checks.h), launch plans come from rlx/mps_gated_delta_plan.h (also run by
+// Gated delta rule on MPS: host code of csrc/mps/kernels/gated_delta.metal. Validation is every
+// backend's (rlx/gdn_checks.h), launch plans come from rlx/mps_gated_delta_plan.h (also run by
 // the Linux emulator tests), encoding from mps_common.h. Same contracts as the CPU op:
 // checkpoints every chunk_size tokens, one packed float32 gradient buffer.
 #include <ATen/ATen.h>
@@ -38,7 +38,7 @@ mps::GdnDtype kernel_dtype(const char* op, at::ScalarType t) {
 // already read on the host by gdn_check_inputs, this reads it once more.
 mps::GdnShape shape_of(const char* op, const GdnProblem& p,
                        const std::optional<at::Tensor>& cu_seqlens, double scale,
-                       bool has_grad_final) {
+                       bool has_grad_final, std::optional<double> l2norm_eps) {
   mps::GdnShape s;
   s.batch = p.batch;
   s.seq_len = p.seq_len;
@@ -53,6 +53,8 @@ mps::GdnShape shape_of(const char* op, const GdnProblem& p,
   s.has_initial_state = p.has_initial_state;
   s.has_grad_final = has_grad_final;
   s.scale = scale;
+  s.qk_l2norm = l2norm_eps.has_value();
+  s.l2norm_eps = l2norm_eps.value_or(0.0);
   s.dtype = kernel_dtype(op, p.input_dtype);
   int64_t longest = p.seq_len;
   if (cu_seqlens.has_value()) {
@@ -68,8 +70,8 @@ mps::GdnShape shape_of(const char* op, const GdnProblem& p,
   return s;
 }
 
-void check_mps(const char* op, const char* name, const at::Tensor& t) {
-  TORCH_CHECK(t.is_mps(), op, ": ", name, " must be on the MPS device, got ", t.device());
+void check_mps(const char* op, const at::Tensor& q) {
+  TORCH_CHECK(q.is_mps(), op, ": q must be on the MPS device, got ", q.device());
 }
 
 // cu_seqlens may come from the CPU (it is small, and read on the host anyway).
@@ -81,20 +83,12 @@ uint32_t max_threads(bool backward, mps::GdnDtype t) {
   return mps::max_threads(kSource, mps::gdn_kernel_name(backward, t));
 }
 
-// The Metal kernels take q and k as given: rlx_torch.gated_delta_rule normalizes them first on
-// MPS (the in-kernel l2norm of the CPU kernels is not ported yet).
-void check_no_l2norm(const char* op, std::optional<double> l2norm_eps) {
-  TORCH_CHECK(!l2norm_eps.has_value(), op,
-              ": l2norm_eps is CPU-only for now; on MPS, L2-normalize q and k before the op "
-              "(rlx_torch.gated_delta_rule(..., use_qk_l2norm=True) does)");
-}
-
 // The checkpoints' tag (rlx/gdn_checks.h) in the first 4 bytes of the last slot: written by a
 // PyTorch fill behind the forward kernel (same stream, so after its zeros), and read back on
 // the host before the backward (one 4-byte copy, which waits for the GPU like the read of
 // cu_seqlens in shape_of).
 uint32_t tag_of(const mps::GdnShape& s, std::optional<double> l2norm_eps) {
-  return gdn_checkpoint_tag(s.chunk, l2norm_eps, mps::gdn_tag_keeps_vw(s));
+  return gdn_checkpoint_tag(s.chunk, l2norm_eps, mps::gdn_forward_keeps_vw(s));
 }
 
 void write_tag(at::Tensor& ckpt, uint32_t tag) {
@@ -119,9 +113,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
   const char* op = "rlx::gated_delta_fwd";
   const GdnProblem p = gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state,
                                         cu_seqlens, chunk_size);
-  check_no_l2norm(op, l2norm_eps);
-  check_mps(op, "q", q_in);
-  const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, false);
+  gdn_check_l2norm_eps(op, l2norm_eps);  // (the CPU forward's order)
+  check_mps(op, q_in);
+  const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, false, l2norm_eps);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
@@ -129,6 +123,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
   at::Tensor ht = at::empty({p.num_seqs, HV, K, V}, q.options().dtype(at::kFloat));
   at::Tensor ckpt = at::empty({gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk), HV, K, V},
                               q.options().dtype(at::kFloat));
+  // vw (v - P^T k per token) as the CPU forward returns it (rlx::gdn_keeps_vw)
+  at::Tensor vw = at::empty(mps::gdn_forward_keeps_vw(s) ? v.sizes() : at::IntArrayRef{0},
+                            q.options().dtype(at::kFloat));
   const mps::GdnForwardPlan plan = mps::gdn_forward_plan(s, max_threads(false, s.dtype));
   mps::Dispatch d;
   d.launch = plan.launch;
@@ -143,11 +140,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_mps(
                {mps::kFwdCuSeqlens, cu_seqlens ? on_device(*cu_seqlens, q) : ht},
                {mps::kFwdO, o},
                {mps::kFwdFinalState, ht},
-               {mps::kFwdCheckpoints, ckpt}};
+               {mps::kFwdCheckpoints, ckpt.numel() > 0 ? ckpt : ht},  // chunk_size 0: none
+               {mps::kFwdVw, vw.numel() > 0 ? vw : ht}};
   mps::encode(kSource, {d});
   write_tag(ckpt, tag_of(s, l2norm_eps));
-  // vw (v - S^T k per token) is not kept here: the MPS backward recomputes it.
-  return {o, ht, ckpt, at::empty({0}, q.options().dtype(at::kFloat))};
+  return {o, ht, ckpt, vw};
 }
 
 at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
@@ -160,36 +157,16 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
                                int64_t chunk_size, std::optional<double> l2norm_eps,
                                const std::optional<at::Tensor>& vw) {
   const char* op = "rlx::gated_delta_bwd";
-  // The MPS forward keeps no vw (an empty tensor) and its backward recomputes it.
-  TORCH_CHECK(!vw.has_value() || vw->numel() == 0, op,
-              ": vw must be None or empty on MPS (its forward returns an empty one), got ",
-              vw.has_value() ? vw->sizes() : at::IntArrayRef{});
+  gdn_check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
-  check_no_l2norm(op, l2norm_eps);
-  check_mps(op, "q", q_in);
+  // (vw, when given, is checked like on every backend and not read: the kernels recompute
+  // v - P^T k alongside the states they recompute anyway)
+  gdn_check_backward_inputs(op, p, q_in, v_in, checkpoints, grad_o_in, grad_final_state, vw);
+  check_mps(op, q_in);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
-  const int64_t slots = gdn_checkpoint_slots(p.num_seqs, p.tokens(), p.chunk);
-  TORCH_CHECK(checkpoints.dim() == 4 && checkpoints.size(0) == slots &&
-                  checkpoints.size(1) == HV && checkpoints.size(2) == K &&
-                  checkpoints.size(3) == V && checkpoints.scalar_type() == at::kFloat,
-              op, ": checkpoints must be the float32 [", slots, ", ", HV, ", ", K, ", ", V,
-              "] tensor that rlx::gated_delta_fwd returned for these inputs, got ",
-              checkpoints.scalar_type(), " ", checkpoints.sizes());
-  TORCH_CHECK(grad_o_in.sizes() == v_in.sizes() && grad_o_in.scalar_type() == p.input_dtype, op,
-              ": grad_o must have o's shape ", v_in.sizes(), " and dtype ", p.input_dtype,
-              ", got ", grad_o_in.scalar_type(), " ", grad_o_in.sizes());
-  check_mps(op, "checkpoints", checkpoints);
-  check_mps(op, "grad_o", grad_o_in);
-  if (grad_final_state.has_value()) {
-    const at::Tensor& gh = *grad_final_state;
-    TORCH_CHECK(gh.dim() == 4 && gh.size(0) == p.num_seqs && gh.size(1) == HV &&
-                    gh.size(2) == K && gh.size(3) == V && gh.scalar_type() == at::kFloat,
-                op, ": grad_final_state must be float32 [", p.num_seqs, ", ", HV, ", ", K, ", ",
-                V, "], got ", gh.scalar_type(), " ", gh.sizes());
-    check_mps(op, "grad_final_state", gh);
-  }
-  const mps::GdnShape s = shape_of(op, p, cu_seqlens, scale, grad_final_state.has_value());
+  const mps::GdnShape s =
+      shape_of(op, p, cu_seqlens, scale, grad_final_state.has_value(), l2norm_eps);
   check_tag(op, checkpoints, tag_of(s, l2norm_eps));
   const GdnBackwardLayout lay = GdnBackwardLayout::make(
       p.batch, p.seq_len, p.num_qk_heads, HV, K, V, p.num_seqs, p.gate_per_channel,
@@ -197,9 +174,14 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
   const auto f32 = q_in.options().dtype(at::kFloat);
   // Every element is written by the kernels (no zero-fill pass).
   at::Tensor packed = at::empty({lay.total}, f32);
-  const mps::GdnBackwardPlan plan =
-      mps::gdn_backward_plan(s, max_threads(true, s.dtype), mps::kGdnPartialBudget,
-                             mps::max_threads(kSource, mps::kGdnReduceKernel));
+  // The l2norm kernel runs with the reduction's threadgroups (params.reduce_simdgroups).
+  uint32_t reduce_threads = mps::max_threads(kSource, mps::kGdnReduceKernel);
+  if (s.qk_l2norm) {
+    reduce_threads = std::min(
+        reduce_threads, mps::max_threads(kSource, mps::gdn_l2norm_kernel_name(s.dtype)));
+  }
+  const mps::GdnBackwardPlan plan = mps::gdn_backward_plan(
+      s, max_threads(true, s.dtype), mps::kGdnPartialBudget, reduce_threads);
   at::Tensor partials = at::empty({int64_t(std::max<uint64_t>(plan.partial_floats, 1))}, f32);
   at::Tensor carry = plan.carry_floats > 0 ? at::empty({int64_t(plan.carry_floats)}, f32)
                                            : partials;
@@ -234,6 +216,13 @@ at::Tensor gated_delta_bwd_mps(const at::Tensor& q_in, const at::Tensor& k_in,
                    {mps::kRedPacked, packed}};
     dispatches.push_back(std::move(bwd));
     dispatches.push_back(std::move(red));
+  }
+  if (s.qk_l2norm && plan.l2norm.threadgroups.count() > 0) {  // dq, dk of the raw rows
+    mps::Dispatch norm;
+    norm.launch = plan.l2norm;
+    norm.set_params(plan.params);
+    norm.buffers = {{mps::kNormQ, q}, {mps::kNormK, k}, {mps::kNormPacked, packed}};
+    dispatches.push_back(std::move(norm));
   }
   mps::encode(kSource, dispatches);
   return packed;

@@ -102,7 +102,8 @@ def check_inputs(op, q, k, v, g, beta, initial_state, cu_seqlens, chunk_size):
 
 def check_backward_inputs(op, q, v, N, slots, checkpoints, grad_o, grad_final_state, chunk_size,
                           vw):
-    """The backward's own arguments (gated_delta_bwd_cpu's checks)."""
+    """The backward's own arguments: gdn_check_backward_inputs (gdn_checks.h), in its order
+    (shapes and dtypes, devices, vw)."""
     B, T, H, K = q.shape
     HV, V = v.shape[2], v.shape[3]
     acc = acc_dtype(q.dtype)
@@ -122,10 +123,10 @@ def check_backward_inputs(op, q, v, N, slots, checkpoints, grad_o, grad_final_st
         if not (gh.dim() == 4 and tuple(gh.shape) == (N, HV, K, V) and gh.dtype == acc):
             _fail(op, f"grad_final_state must be {c10_name(acc)} [{N}, {HV}, {K}, {V}], got "
                       f"{c10_name(gh.dtype)} {_shape(gh)}")
+    check_same_device(op, q, {"checkpoints": checkpoints, "grad_o": grad_o,
+                              "grad_final_state": grad_final_state, "vw": vw})
     if vw is not None and vw.numel() > 0:
         if vw.shape != v.shape or vw.dtype != acc:
             _fail(op, f"vw must be the {c10_name(acc)} {_shape(v)} tensor that "
                       f"rlx::gated_delta_fwd returned for these inputs (or None), got "
                       f"{c10_name(vw.dtype)} {_shape(vw)}")
-    check_same_device(op, q, {"checkpoints": checkpoints, "grad_o": grad_o,
-                              "grad_final_state": grad_final_state, "vw": vw})

@@ -28,12 +28,12 @@ l2norm_eps=None) -> (o, final_state, checkpoints, vw)``
     the last slot, which no sequence uses; see below). ``chunk_size=0`` keeps no checkpoints
     (0 slots), for forward passes no backward follows (the CPU kernel supports it; the
     public function uses it on the CPU when no gradient is needed). With ``l2norm_eps``
-    (CPU and CUDA), the kernels L2-normalize each q and k row first (fla's l2norm below, without
-    rounding the normalized rows to the input dtype). vw ``[B, T, HV, V]`` acc is
+    (every backend), the kernels L2-normalize each q and k row first (fla's l2norm below,
+    without rounding the normalized rows to the input dtype). vw ``[B, T, HV, V]`` acc is
     ``v_t - w_t`` per token (``w_t = P_t^T k_t``, the decayed state's prediction of v_t; u =
-    beta vw), kept for the backward by the CPU kernels when ``chunk_size > 0`` and the gate
-    is per head (the chunked backward reads it instead of recomputing it); otherwise, and on
-    MPS and CUDA, an empty ``[0]`` tensor.
+    beta vw), returned on every backend when ``chunk_size > 0`` and the gate is per head
+    (``gdn_keeps_vw``; the CPU's chunked backward reads it instead of recomputing it);
+    otherwise an empty ``[0]`` tensor.
 
 ``rlx::gated_delta_bwd(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints,
 grad_o, grad_final_state, chunk_size=64, l2norm_eps=None, vw=None) -> packed``
@@ -111,8 +111,8 @@ def _fwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, chunk_size=64,
     o = v.new_empty(v.shape)  # contiguous, like the kernels' at::empty_like of a contiguous v
     final_state = q.new_empty((N, HV, K, V), dtype=acc)
     checkpoints = q.new_empty((slots, HV, K, V), dtype=acc)
-    # gdn_keeps_vw (the CPU kernels; meta tensors stand in for CPU ones); MPS, CUDA keep none
-    keeps_vw = q.device.type not in ("mps", "cuda") and chunk_size > 0 and g.dim() == 3
+    # gdn_keeps_vw (gdn_backward_layout.h): the same rule on every backend
+    keeps_vw = chunk_size > 0 and g.dim() == 3
     vw = q.new_empty(v.shape if keeps_vw else (0,), dtype=acc)
     return o, final_state, checkpoints, vw
 
@@ -130,7 +130,7 @@ def _bwd_fake(q, k, v, g, beta, scale, initial_state, cu_seqlens, checkpoints, g
 
 
 def _check_l2norm_eps(op, l2norm_eps):
-    # check_l2norm_eps (csrc/cpu/l2norm_row.h)
+    # gdn_check_l2norm_eps (csrc/include/rlx/gdn_checks.h)
     if l2norm_eps is not None and not (l2norm_eps >= 0 and l2norm_eps < float("inf")):
         raise RuntimeError(
             f"{op}: l2norm_eps must be None or a finite number >= 0, got {l2norm_eps}")
@@ -217,7 +217,7 @@ def _save(ctx, inputs, outputs):
 
 class GatedDeltaRuleFunction(torch.autograd.Function):
     """Differentiable ``(o, final_state) = f(q, k, v, g, beta, initial_state)``; g, beta and
-    initial_state already in the accumulation dtype. With ``l2norm_eps`` (CPU), the ops
+    initial_state already in the accumulation dtype. With ``l2norm_eps``, the ops
     L2-normalize q and k themselves and return the raw rows' gradients.
 
     Written with ``ctx`` in ``forward`` rather than a ``setup_context``: ``apply`` then skips
@@ -405,11 +405,8 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     needs_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for _, t in named)
     on_cpu = q.device.type == "cpu"
-    l2norm_eps = None
-    if use_qk_l2norm and (on_cpu or q.device.type == "cuda"):
-        l2norm_eps = L2NORM_EPS  # inside the ops: q and k rows are normalized as they are read
-    elif use_qk_l2norm:
-        q, k = l2norm(q), l2norm(k)
+    # inside the ops (every backend): q and k rows are normalized as they are read
+    l2norm_eps = L2NORM_EPS if use_qk_l2norm else None
     if torch._C._are_functorch_transforms_active():
         o, final_state, _, _ = GatedDeltaRuleFunctorch.apply(
             q, k, v, g, beta, float(scale), initial_state, cu_seqlens, chunk_size, l2norm_eps)

@@ -3,7 +3,7 @@
 // backward's partial sums done here. tests/test_gated_delta_cuda_emulator.py drives it:
 //   gdn_emu DIR B T H HV K V per_channel has_h0 chunk scale N cu_0 .. cu_N
 // reads DIR/{q,k,v,g,beta,h0,do,dht}.bin (float32; h0 only with has_h0), writes
-// DIR/{o,ht,dq,dk,dv,dg,dbeta,dh0}.bin (float32). RLX_EMU_DOUBLE=1 runs the float64 kernels.
+// DIR/{o,ht,vw,dq,dk,dv,dg,dbeta,dh0}.bin (float32; vw when kept: rlx::gdn_keeps_vw). RLX_EMU_DOUBLE=1 runs the float64 kernels.
 #include "cuda_shim.h"
 
 #define RLX_CUDA_EMULATION 1
@@ -55,10 +55,14 @@ static void run(const std::string& dir, Dims<R> d, int64_t B, int64_t N, bool ha
   FwdArgs<R, R, R> F{d, q.data(), k.data(), v.data(), g.data(), beta.data(),
                                  has_h0 ? h0.data() : nullptr, o.data(), ht.data(),
                                  ckpt.data()};
+  const bool keeps_vw = rlx::gdn_keeps_vw(d.chunk, PC);
+  std::vector<R> vw(keeps_vw ? vv : 0, R(NAN));
+  F.vw = keeps_vw ? vw.data() : nullptr;
   emu::launch(unsigned(blocks), unsigned(warps * 32), smem,
               [&] { forward_kernel<R, R, R, PC>(F); });
   write(dir + "/o.bin", o);
   write(dir + "/ht.bin", ht);
+  if (keeps_vw) write(dir + "/vw.bin", vw);
   if (d.chunk == 0) return;
   int64_t longest = 0;
   for (int64_t n = 0; n < N; ++n) {

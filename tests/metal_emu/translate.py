@@ -2,7 +2,12 @@
 
 What changes (everything else is kept verbatim, line for line, so compiler errors and
 barrier sites point at the .metal file):
-- `#include <metal_stdlib>` is dropped (the shim is included first); any other include is an error.
+- `#include "rlx/..."` (a header the kernel shares with the host code, e.g. its params struct)
+  is inlined from csrc/include with `#line` directives, by tools/embed_metal.py's
+  expand_includes, exactly as the source is embedded for Metal.
+- `#include <metal_stdlib>` is dropped (the shim is included first), and so is `<cstdint>` (a
+  shared header's host-side include, under `#ifndef __METAL_VERSION__`; the shim has it);
+  any other include is an error.
 - `[[...]]` attributes are stripped after the kernel signatures have been read from them.
 - `device T*`, `constant T*`, `threadgroup T*` become bounds-checked `metal::Ptr<T>` (constant
   ones const); `device T&` / `constant T&` become plain references; `kernel`, `device`,
@@ -19,8 +24,17 @@ barrier sites point at the .metal file):
   counts loop iterations, so a runaway loop stops with an error instead of hanging).
 """
 
+import os
 import re
+import sys
 from dataclasses import dataclass, field
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_REPO, "tools"))
+import embed_metal  # noqa: E402
+
+# Includes the translation drops: the shim provides them (see the module docstring).
+_DROPPED_INCLUDES = ("<metal_stdlib>", "<cstdint>")
 
 BUILTINS = (
     "thread_position_in_grid",
@@ -142,8 +156,17 @@ _INSTANTIATION = re.compile(r"\btemplate\s*\[\[\s*host_name\s*\(\s*\"([^\"]+)\"\
 _TEMPLATE_BEFORE = re.compile(r"template\s*<[^;{}]*>\s*(?:\[\[[^\]]*\]\]\s*)*$")
 
 
+_LINE_DIRECTIVE = re.compile(r'^[ \t]*#[ \t]*line[ \t]+(\d+)[^\n]*\n', re.M)
+
+
 def _line_of(src, pos):
-    return src.count("\n", 0, pos) + 1
+    """Line number of pos as a compiler reports it (after `#line N` the next line is N)."""
+    last = None
+    for m in _LINE_DIRECTIVE.finditer(src, 0, pos):
+        last = m
+    if last is None:
+        return src.count("\n", 0, pos) + 1
+    return int(last.group(1)) + src.count("\n", last.end(), pos)
 
 
 def parse_params(plist, function, line):
@@ -187,12 +210,17 @@ def find_kernels(code):
 
 def translate(src, path="kernel.metal"):
     """Returns (cpp_text, entries) for one .metal source."""
+    try:
+        src = embed_metal.expand_includes(src, path, embed_metal.include_dir(_REPO))
+    except FileNotFoundError as e:
+        raise TranslationError(str(e)) from None
     code = blank_comments(src)
     for m in re.finditer(r"^[ \t]*#[ \t]*include\b(.*)$", code, flags=re.M):
-        if m.group(1).strip() != "<metal_stdlib>":
+        if m.group(1).strip() not in _DROPPED_INCLUDES:
             raise TranslationError(f"{path}:{_line_of(code, m.start())}: only <metal_stdlib> "
-                                   f"may be included, found {m.group(1).strip()}")
-    code = re.sub(r"^[ \t]*#[ \t]*include\s*<metal_stdlib>", "", code, flags=re.M)
+                                   "and the kernel's shared headers (\"rlx/...\") may be "
+                                   f"included, found {m.group(1).strip()}")
+    code = re.sub(r"^[ \t]*#[ \t]*include\s*(?:<metal_stdlib>|<cstdint>)", "", code, flags=re.M)
 
     kernels = find_kernels(code)
     entries = []

@@ -95,4 +95,11 @@ inline int64_t gdn_num_chunks(int64_t seq_tokens, int64_t chunk) {
 // into a C x K x V scratch (C = 64, K = V = 128: 4 MiB float32, per worker thread).
 constexpr int64_t kGdnDefaultChunk = 64;
 
+// Whether the forward returns vw ([B, T, HV, V], v - P^T k per token) rather than an empty
+// tensor: with checkpoints and one gate per head, on every backend (the CPU's chunked
+// backward reads it).
+inline bool gdn_keeps_vw(int64_t chunk, bool gate_per_channel) {
+  return chunk > 0 && !gate_per_channel;
+}
+
 }  // namespace rlx

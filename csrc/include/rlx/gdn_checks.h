@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <optional>
@@ -182,6 +183,34 @@ inline void gdn_check_backward_devices(const char* op, const at::Tensor& q,
   check("grad_o", grad_o);
   if (grad_final_state.has_value()) check("grad_final_state", *grad_final_state);
   if (vw.has_value()) check("vw", *vw);
+}
+
+// vw as the forward returned it: the acc [B, T, HV, V] tensor, or None / empty (the backward
+// then recomputes it).
+inline void gdn_check_backward_vw(const char* op, const GdnProblem& p, const at::Tensor& v,
+                                  const std::optional<at::Tensor>& vw) {
+  if (!vw.has_value() || vw->numel() == 0) return;
+  TORCH_CHECK(vw->sizes() == v.sizes() && vw->scalar_type() == p.acc_dtype, op,
+              ": vw must be the ", p.acc_dtype, " ", v.sizes(),
+              " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
+              vw->scalar_type(), " ", vw->sizes());
+}
+
+// Everything the backward takes beyond the forward's inputs (after gdn_check_inputs), in the
+// order every backend checks it: shapes and dtypes, devices, vw.
+inline void gdn_check_backward_inputs(const char* op, const GdnProblem& p, const at::Tensor& q,
+                                      const at::Tensor& v, const at::Tensor& checkpoints,
+                                      const at::Tensor& grad_o,
+                                      const std::optional<at::Tensor>& grad_final_state,
+                                      const std::optional<at::Tensor>& vw) {
+  gdn_check_backward_shapes(op, p, v, checkpoints, grad_o, grad_final_state);
+  gdn_check_backward_devices(op, q, checkpoints, grad_o, grad_final_state, vw);
+  gdn_check_backward_vw(op, p, v, vw);
+}
+
+inline void gdn_check_l2norm_eps(const char* op, std::optional<double> eps) {
+  TORCH_CHECK(!eps.has_value() || (std::isfinite(*eps) && *eps >= 0), op,
+              ": l2norm_eps must be None or a finite number >= 0, got ", eps.value_or(0));
 }
 
 // The checkpoints' tag: what the backward must be given as the forward was (chunk_size sets

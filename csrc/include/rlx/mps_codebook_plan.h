@@ -22,17 +22,10 @@
 
 #include <cstdint>
 
+#include "rlx/mps_codebook_params.h"
 #include "rlx/mps_launch.h"
 
 namespace rlx::mps {
-
-// Field for field CodebookParams in codebook.metal (all 32-bit).
-struct CodebookParams {
-  uint32_t rows, in_features, out_features, groups, num_codebooks, num_entries, entry_dim;
-  uint32_t has_scales, has_bias, codebook_in_tg;
-  uint32_t t_block, groups_per_block, num_gblocks, lut_scan;
-};
-static_assert(sizeof(CodebookParams) == 56, "CodebookParams must match codebook.metal");
 
 enum class CodebookDtype { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 
@@ -272,13 +265,6 @@ inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want
 }
 
 // ---- grad_codebook for 16-bit indices (codebook_sorted.metal) ----
-
-// Field for field CodebookSortedParams in codebook_sorted.metal (all 32-bit).
-struct CodebookSortedParams {
-  uint32_t rows, in_features, out_features, groups, num_codebooks, num_entries, entry_dim;
-  uint32_t has_scales, count;
-};
-static_assert(sizeof(CodebookSortedParams) == 36, "must match codebook_sorted.metal");
 
 struct CodebookSortedPlan {
   Launch launch;

@@ -21,27 +21,10 @@
 #include <cstdint>
 
 #include "rlx/gdn_backward_layout.h"
+#include "rlx/mps_gated_delta_params.h"
 #include "rlx/mps_launch.h"
 
 namespace rlx::mps {
-
-// Field for field the GdnParams struct of gated_delta.metal (8-byte fields first: no padding
-// differences between the two compilers).
-struct GdnParams {
-  uint64_t tokens;
-  uint64_t dq_offset, dk_offset, dv_offset, dg_offset, dbeta_offset, dstate_offset;
-  uint64_t part_dk_offset, part_dg_offset, part_dbeta_offset;
-  uint32_t seq_len, num_seqs;
-  uint32_t num_qk_heads, num_v_heads, head_k_dim, head_v_dim;
-  uint32_t group, k_per_lane;
-  uint32_t gate_per_channel, has_initial_state, has_grad_final, varlen;
-  uint32_t chunk, simdgroups, num_vblocks, sub;
-  uint32_t window_lo, window_hi, window_chunks, reduce_simdgroups;
-  float scale;
-};
-static_assert(offsetof(GdnParams, seq_len) == 80 && offsetof(GdnParams, scale) == 160 &&
-                  sizeof(GdnParams) == 168,
-              "GdnParams must keep the layout of the struct in gated_delta.metal");
 
 enum class GdnDtype { Float32 = 0, Float16 = 1, BFloat16 = 2 };
 
@@ -55,6 +38,8 @@ struct GdnShape {
   bool gate_per_channel = false, varlen = false, has_initial_state = false;
   bool has_grad_final = false;
   double scale = 1.0;
+  bool qk_l2norm = false;  // l2norm_eps given: q and k rows normalized in the kernels
+  double l2norm_eps = 0.0;
   GdnDtype dtype = GdnDtype::Float32;
 };
 
@@ -63,13 +48,13 @@ constexpr uint32_t kGdnForwardSimdgroups = 4;    // columns per forward threadgr
 constexpr uint32_t kGdnReduceSimdgroups = 4;     // rows per reduction threadgroup
 constexpr uint64_t kGdnPartialBudget = 128ull << 20;  // bytes of backward partials per window
 
-// The checkpoints' tag (gdn_checkpoint_tag, rlx/gdn_checks.h) is the CPU forward's for the same
-// arguments, so that checkpoints pass between the two backends: its vw bit is whether the CPU
-// forward keeps vw for these arguments (gdn_keeps_vw: checkpoints kept and one gate per head).
-// The MPS forward keeps none, and the CPU backward accepts a missing vw either way. The host
-// code writes the tag after the forward kernel (which zeroes the unused slots) and checks it
-// before the backward, as the CPU op does.
-inline bool gdn_tag_keeps_vw(const GdnShape& s) { return s.chunk > 0 && !s.gate_per_channel; }
+// The forward's vw output and the checkpoints' tag (gdn_checkpoint_tag, rlx/gdn_checks.h) follow
+// the same rule on every backend (gdn_keeps_vw), so that outputs and checkpoints pass between
+// them. The host code writes the tag after the forward kernel (which zeroes the unused slots)
+// and checks it before the backward.
+inline bool gdn_forward_keeps_vw(const GdnShape& s) {
+  return gdn_keeps_vw(s.chunk, s.gate_per_channel);
+}
 
 inline GdnParams gdn_params(const GdnShape& s) {
   GdnParams p{};
@@ -96,6 +81,9 @@ inline GdnParams gdn_params(const GdnShape& s) {
   p.has_grad_final = s.has_grad_final;
   p.varlen = s.varlen;
   p.chunk = uint32_t(s.chunk);
+  p.qk_l2norm = s.qk_l2norm;
+  p.l2norm_eps = float(s.l2norm_eps);
+  p.keeps_vw = gdn_forward_keeps_vw(s);
   p.scale = float(s.scale);
   return p;
 }
@@ -110,10 +98,16 @@ inline const char* gdn_kernel_name(bool backward, GdnDtype t) {
 
 constexpr const char* kGdnReduceKernel = "gated_delta_bwd_reduce";
 
+inline const char* gdn_l2norm_kernel_name(GdnDtype t) {
+  static const char* const names[] = {"gated_delta_bwd_l2norm_f32", "gated_delta_bwd_l2norm_f16",
+                                      "gated_delta_bwd_l2norm_bf16"};
+  return names[int(t)];
+}
+
 // Buffer slots of gated_delta_fwd.
 enum GdnForwardSlot : int {
   kFwdQ = 0, kFwdK, kFwdV, kFwdG, kFwdBeta, kFwdInitialState, kFwdCuSeqlens, kFwdO,
-  kFwdFinalState, kFwdCheckpoints, kFwdParams
+  kFwdFinalState, kFwdCheckpoints, kFwdParams, kFwdVw
 };
 // Buffer slots of gated_delta_bwd and gated_delta_bwd_reduce.
 enum GdnBackwardSlot : int {
@@ -121,6 +115,8 @@ enum GdnBackwardSlot : int {
   kBwdGradFinalState, kBwdPacked, kBwdPartials, kBwdCarry, kBwdParams
 };
 enum GdnReduceSlot : int { kRedCuSeqlens = 0, kRedPartials, kRedPacked, kRedParams };
+// Buffer slots of gated_delta_bwd_l2norm.
+enum GdnL2normSlot : int { kNormQ = 0, kNormK, kNormPacked, kNormParams };
 
 struct GdnForwardPlan {
   Launch launch;  // threadgroups.count() == 0: nothing to dispatch (N == 0)
@@ -145,6 +141,7 @@ inline GdnForwardPlan gdn_forward_plan(const GdnShape& s, uint32_t max_threads =
 
 struct GdnBackwardPlan {
   Launch backward, reduce;  // per window; params.window_lo/hi set by window()
+  Launch l2norm;            // after the last window, with l2norm_eps only (params.qk_l2norm)
   GdnParams params;
   uint32_t num_windows = 0;
   uint64_t partial_floats = 0;  // size of the partials buffer
@@ -169,7 +166,8 @@ inline uint64_t gdn_backward_tg_floats(uint32_t nsg, uint32_t sub, uint32_t kp, 
 
 // partial_budget: bytes of partial sums one window may use (at least one chunk's worth).
 // max_threads / max_reduce_threads: maxTotalThreadsPerThreadgroup of the gated_delta_bwd_*
-// and gated_delta_bwd_reduce pipelines (multiples of 32).
+// and gated_delta_bwd_reduce pipelines (multiples of 32; with l2norm, the smaller of the
+// reduce and gated_delta_bwd_l2norm_* pipelines', which share the threadgroup size).
 inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads = 1024,
                                          uint64_t partial_budget = kGdnPartialBudget,
                                          uint32_t max_reduce_threads = 1024) {
@@ -232,6 +230,14 @@ inline GdnBackwardPlan gdn_backward_plan(const GdnShape& s, uint32_t max_threads
   b.reduce.threads.x = p.reduce_simdgroups * kSimdWidth;
   b.reduce.threadgroups = {ceil_div(rows, p.reduce_simdgroups), uint32_t(s.num_qk_heads), 1};
   b.reduce.params_index = kRedParams;
+
+  // gradients of the raw q and k rows from those of the normalized ones: one simdgroup per
+  // row, grid (row blocks, 2: q then k)
+  b.l2norm.kernel = gdn_l2norm_kernel_name(s.dtype);
+  b.l2norm.threads.x = p.reduce_simdgroups * kSimdWidth;
+  b.l2norm.threadgroups = {
+      ceil_div(uint64_t(s.batch * s.seq_len * s.num_qk_heads), p.reduce_simdgroups), 2, 1};
+  b.l2norm.params_index = kNormParams;
   if (s.num_seqs == 0) {
     b.num_windows = 0;
     b.backward.threadgroups = {0, 0, 0};

@@ -10,23 +10,8 @@
 #include <metal_stdlib>
 using namespace metal;
 
-// Field for field rlx::mps::CodebookParams (all 32-bit: identical layout on both compilers).
-struct CodebookParams {
-  uint rows;             // B
-  uint in_features;      // K
-  uint out_features;     // N
-  uint groups;           // G = K / D
-  uint num_codebooks;    // M
-  uint num_entries;      // E
-  uint entry_dim;        // D
-  uint has_scales;       // forward / dx: multiply by s_j; dscale kernel: compute grad_scales
-  uint has_bias;         // forward: add bias_j; dscale kernel: compute grad_bias
-  uint codebook_in_tg;   // the codebook is staged (as float) in threadgroup memory
-  uint t_block;          // dcodebook: entry components per threadgroup
-  uint groups_per_block; // dcodebook: groups g per threadgroup
-  uint num_gblocks;      // dcodebook: number of group blocks (partials)
-  uint lut_scan;         // dcodebook: small batch, scan codes once per batch row
-};
+#include "rlx/mps_codebook_params.h"  // CodebookParams, shared with the host code
+using rlx::mps::CodebookParams;
 
 constant constexpr uint kSimd = 32;
 constant constexpr uint kRowsPerSimd = 4;  // output rows per simdgroup (matrix-vector)

@@ -9,18 +9,8 @@
 #include <metal_stdlib>
 using namespace metal;
 
-// Field for field rlx::mps::CodebookSortedParams (all 32-bit).
-struct CodebookSortedParams {
-  uint rows;           // B
-  uint in_features;    // K
-  uint out_features;   // N
-  uint groups;         // G = K / D
-  uint num_codebooks;  // M
-  uint num_entries;    // E
-  uint entry_dim;      // D
-  uint has_scales;
-  uint count;          // N * G * M sorted codes
-};
+#include "rlx/mps_codebook_params.h"  // CodebookSortedParams, shared with the host code
+using rlx::mps::CodebookSortedParams;
 
 constant constexpr uint kChunk = 8;  // entry components per thread
 

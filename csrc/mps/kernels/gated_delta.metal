@@ -7,33 +7,15 @@
 // The columns of S evolve independently, so every simdgroup owns one column (one value
 // channel) and keeps it in registers, lane l holding rows l, l + 32, ... (K <= 256: at most
 // 8 per lane). Dot products over K are one simd_sum. Threadgroups cover
-// (V-block, hv, n); launch plans: csrc/include/rlx/mps_gated_delta_plan.h.
+// (V-block, hv, n); launch plans: csrc/include/rlx/mps_gated_delta_plan.h. With
+// p.qk_l2norm (the op's l2norm_eps), q and k rows are L2-normalized as they are read, in
+// float as the CPU kernels do (x / sqrt(sum x^2 + eps)); gated_delta_bwd_l2norm then turns
+// the gradients of the normalized rows into those of the raw ones.
 #include <metal_stdlib>
 using namespace metal;
 
-// Field for field the same as rlx::mps::GdnParams (mps_gated_delta_plan.h), which the host
-// code and the emulator tests fill.
-struct GdnParams {
-  ulong tokens;  // B * T (the packed token count)
-  // packed backward buffer slices (float offsets), from rlx::GdnBackwardLayout
-  ulong dq_offset, dk_offset, dv_offset, dg_offset, dbeta_offset, dstate_offset;
-  // backward partial sums (float offsets into the partials buffer)
-  ulong part_dk_offset, part_dg_offset, part_dbeta_offset;
-  uint seq_len;  // T
-  uint num_seqs;  // N
-  uint num_qk_heads, num_v_heads, head_k_dim, head_v_dim;
-  uint group;  // HV / H
-  uint k_per_lane;  // ceil(K / 32)
-  uint gate_per_channel, has_initial_state, has_grad_final, varlen;
-  uint chunk;  // checkpoint interval C
-  uint simdgroups;  // per threadgroup = state columns per V-block
-  uint num_vblocks;
-  uint sub;  // backward: states kept in threadgroup memory per sub-chunk
-  uint window_lo, window_hi;  // backward: chunk indices (per sequence) of this dispatch
-  uint window_chunks;  // chunks per window: partial rows = N * window_chunks * C
-  uint reduce_simdgroups;  // simdgroups per threadgroup of the reduction kernel
-  float scale;
-};
+#include "rlx/mps_gated_delta_params.h"  // GdnParams, shared with the host code
+using rlx::mps::GdnParams;
 
 constant constexpr uint kMaxKPerLane = 8;  // K <= 256
 
@@ -62,6 +44,16 @@ inline void load_lane_rows(device const T* row, uint K, uint nk, uint lane, thre
   }
 }
 
+// With p.qk_l2norm, scales this lane's rows of a q or k row (zeros past K) to unit length:
+// x / sqrt(sum x^2 + eps). One simd_sum: every lane of the simdgroup calls it (a uniform flag).
+inline void l2norm_lane_rows(constant GdnParams& p, thread float* x) {
+  if (p.qk_l2norm == 0) return;
+  float ss = 0.0f;
+  for (uint j = 0; j < kMaxKPerLane; ++j) ss += x[j] * x[j];
+  const float r = 1.0f / precise::sqrt(simd_sum(ss) + p.l2norm_eps);
+  for (uint j = 0; j < kMaxKPerLane; ++j) x[j] *= r;
+}
+
 // Decay factors exp(g_t) for this lane's rows: one per key channel, or one per head. The
 // decay compounds over every token, so it is precise::exp whatever the library's math mode.
 inline void load_decay(constant GdnParams& p, device const float* g, ulong tok, uint hv,
@@ -86,7 +78,8 @@ inline ulong state_index(constant GdnParams& p, ulong slot, uint hv, uint r, uin
 
 // Forward. Grid (V-blocks, HV, N) x (32 * simdgroups); simdgroup sg owns column
 // vblock * simdgroups + sg. No threadgroup memory, no barriers: a simdgroup past V leaves.
-// Writes o, the final state, and every checkpoint slot (unused ones as zeros).
+// Writes o, the final state, every checkpoint slot (unused ones as zeros) and, with
+// p.keeps_vw, vw = v - P^T k per token (u = beta vw), the CPU forward's vw output.
 template <typename T>
 kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
                             device const T* k [[buffer(1)]],
@@ -99,6 +92,7 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
                             device float* final_state [[buffer(8)]],
                             device float* checkpoints [[buffer(9)]],
                             constant GdnParams& p [[buffer(10)]],
+                            device float* vw [[buffer(11)]],
                             uint3 tgpos [[threadgroup_position_in_grid]],
                             uint sg [[simdgroup_index_in_threadgroup]],
                             uint lane [[thread_index_in_simdgroup]]) {
@@ -107,7 +101,8 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
   const uint K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads, H = p.num_qk_heads;
   const uint h = hv / p.group, nk = p.k_per_lane, C = p.chunk;
   const SeqBounds sb = sequence_bounds(p, cu_seqlens, n);
-  const ulong ckpt_base = ulong(n) + sb.bos / C;  // rlx::gdn_checkpoint_base
+  // rlx::gdn_checkpoint_base; chunk_size 0 keeps no checkpoints
+  const ulong ckpt_base = C > 0 ? ulong(n) + sb.bos / C : 0;
 
   float s[kMaxKPerLane];
   for (uint j = 0; j < kMaxKPerLane; ++j) {
@@ -120,17 +115,19 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
   ulong slot = ckpt_base;
   uint to_checkpoint = 0;  // counts down instead of a 64-bit modulo per token
   for (ulong tok = sb.bos; tok < sb.eos; ++tok) {
-    if (to_checkpoint == 0) {  // the state before token j*C of this sequence: slot base + j
-      to_checkpoint = C;
+    if (C > 0 && to_checkpoint == 0) {  // the state before token j*C of this sequence: slot
+      to_checkpoint = C;                // base + j
       for (uint j = 0; j < kMaxKPerLane; ++j) {
         const uint r = lane + 32 * j;
         if (j < nk && r < K) checkpoints[state_index(p, slot, hv, r, col)] = s[j];
       }
       ++slot;
     }
-    --to_checkpoint;
+    if (C > 0) --to_checkpoint;
     load_lane_rows(k + (tok * H + h) * K, K, nk, lane, kk);
     load_lane_rows(q + (tok * H + h) * K, K, nk, lane, qq);
+    l2norm_lane_rows(p, kk);
+    l2norm_lane_rows(p, qq);
     load_decay(p, g, tok, hv, lane, a);
     // One collective for k.P, q.P and q.k: o = scale q.(P + k u) = scale (q.P + (q.k) u).
     float3 part = float3(0.0f);
@@ -139,9 +136,13 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
       part += float3(kk[j] * s[j], qq[j] * s[j], qq[j] * kk[j]);
     }
     const float3 dots = simd_sum(part);
-    const float u = beta[tok * HV + hv] * (float(v[(tok * HV + hv) * V + col]) - dots.x);
+    const float w = float(v[(tok * HV + hv) * V + col]) - dots.x;  // v - P^T k
+    const float u = beta[tok * HV + hv] * w;
     for (uint j = 0; j < kMaxKPerLane; ++j) s[j] += kk[j] * u;
-    if (lane == 0) o[(tok * HV + hv) * V + col] = T(p.scale * (dots.y + dots.z * u));
+    if (lane == 0) {
+      o[(tok * HV + hv) * V + col] = T(p.scale * (dots.y + dots.z * u));
+      if (p.keeps_vw != 0) vw[(tok * HV + hv) * V + col] = w;
+    }
   }
   for (uint j = 0; j < kMaxKPerLane; ++j) {
     const uint r = lane + 32 * j;
@@ -149,8 +150,9 @@ kernel void gated_delta_fwd(device const T* q [[buffer(0)]],
   }
   // Slots no sequence uses are zero: those between this sequence's last slot and the next
   // sequence's base n + 1 + eos / C (after the last sequence: the slot count N + ceil(B*T / C)).
-  const ulong end = n + 1 == p.num_seqs ? ulong(p.num_seqs) + (p.tokens + C - 1) / C
-                                        : ulong(n) + 1 + sb.eos / C;
+  const ulong end = C == 0                ? 0
+                    : n + 1 == p.num_seqs ? ulong(p.num_seqs) + (p.tokens + C - 1) / C
+                                          : ulong(n) + 1 + sb.eos / C;
   for (; slot < end; ++slot) {
     for (uint j = 0; j < kMaxKPerLane; ++j) {
       const uint r = lane + 32 * j;
@@ -167,6 +169,7 @@ inline void advance(constant GdnParams& p, device const T* k, device const T* v,
   const uint K = p.head_k_dim;
   float kk[kMaxKPerLane], a[kMaxKPerLane];
   load_lane_rows(k + (tok * p.num_qk_heads + h) * K, K, p.k_per_lane, lane, kk);
+  l2norm_lane_rows(p, kk);
   load_decay(p, g, tok, hv, lane, a);
   float part = 0.0f;
   for (uint j = 0; j < kMaxKPerLane; ++j) {
@@ -264,6 +267,8 @@ kernel void gated_delta_bwd(device const T* q [[buffer(0)]],
         const ulong tok = t0 + ulong(i);
         load_lane_rows(k + (tok * H + h) * K, K, nk, lane, kk);
         load_lane_rows(q + (tok * H + h) * K, K, nk, lane, qq);
+        l2norm_lane_rows(p, kk);
+        l2norm_lane_rows(p, qq);
         load_decay(p, g, tok, hv, lane, a);
         const float b = beta[tok * HV + hv];
         const ulong vat = (tok * HV + hv) * V + col;
@@ -381,14 +386,48 @@ kernel void gated_delta_bwd_reduce(device const long* cu_seqlens [[buffer(0)]],
   }
 }
 
+// With l2norm_eps: the packed dq and dk hold the gradients of the normalized rows y = x r,
+// r = (sum x^2 + eps)^-1/2; this turns each into the raw row's, dx = r (dy - y (y . dy)), in
+// place. Grid (ceil(B*T*H / reduce_simdgroups), 2) x (32 * reduce_simdgroups): one simdgroup
+// per (token, q/k head) row, tgpos.y = 0 for q, 1 for k; lanes over K.
+template <typename T>
+kernel void gated_delta_bwd_l2norm(device const T* q [[buffer(0)]],
+                                   device const T* k [[buffer(1)]],
+                                   device float* packed [[buffer(2)]],
+                                   constant GdnParams& p [[buffer(3)]],
+                                   uint3 tgpos [[threadgroup_position_in_grid]],
+                                   uint sg [[simdgroup_index_in_threadgroup]],
+                                   uint lane [[thread_index_in_simdgroup]]) {
+  const ulong row = ulong(tgpos.x) * p.reduce_simdgroups + sg;
+  if (row >= p.tokens * p.num_qk_heads) return;  // the whole simdgroup
+  const uint K = p.head_k_dim, nk = p.k_per_lane;
+  device const T* x = (tgpos.y == 0 ? q : k) + row * K;
+  device float* d = packed + (tgpos.y == 0 ? p.dq_offset : p.dk_offset) + row * K;
+  float xs[kMaxKPerLane], dy[kMaxKPerLane];
+  load_lane_rows(x, K, nk, lane, xs);
+  load_lane_rows<float>(d, K, nk, lane, dy);
+  float2 part = float2(0.0f);
+  for (uint j = 0; j < kMaxKPerLane; ++j) part += float2(xs[j] * xs[j], xs[j] * dy[j]);
+  const float2 sums = simd_sum(part);
+  const float r = 1.0f / precise::sqrt(sums.x + p.l2norm_eps);
+  const float ydy = r * sums.y;  // y . dy
+  for (uint j = 0; j < kMaxKPerLane; ++j) {
+    const uint i = lane + 32 * j;
+    if (j < nk && i < K) d[i] = r * (dy[j] - r * xs[j] * ydy);
+  }
+}
+
 // decltype keeps the instantiations in step with the signatures (parameter attributes and
 // all).
 template [[host_name("gated_delta_fwd_f32")]] [[kernel]] decltype(gated_delta_fwd<float>) gated_delta_fwd<float>;
 template [[host_name("gated_delta_fwd_f16")]] [[kernel]] decltype(gated_delta_fwd<half>) gated_delta_fwd<half>;
 template [[host_name("gated_delta_bwd_f32")]] [[kernel]] decltype(gated_delta_bwd<float>) gated_delta_bwd<float>;
 template [[host_name("gated_delta_bwd_f16")]] [[kernel]] decltype(gated_delta_bwd<half>) gated_delta_bwd<half>;
+template [[host_name("gated_delta_bwd_l2norm_f32")]] [[kernel]] decltype(gated_delta_bwd_l2norm<float>) gated_delta_bwd_l2norm<float>;
+template [[host_name("gated_delta_bwd_l2norm_f16")]] [[kernel]] decltype(gated_delta_bwd_l2norm<half>) gated_delta_bwd_l2norm<half>;
 // bfloat: Metal 3.1 (macOS 14) and the emulator (which defines no __METAL_VERSION__).
 #if !defined(__METAL_VERSION__) || __METAL_VERSION__ >= 310
 template [[host_name("gated_delta_fwd_bf16")]] [[kernel]] decltype(gated_delta_fwd<bfloat>) gated_delta_fwd<bfloat>;
 template [[host_name("gated_delta_bwd_bf16")]] [[kernel]] decltype(gated_delta_bwd<bfloat>) gated_delta_bwd<bfloat>;
+template [[host_name("gated_delta_bwd_l2norm_bf16")]] [[kernel]] decltype(gated_delta_bwd_l2norm<bfloat>) gated_delta_bwd_l2norm<bfloat>;
 #endif
