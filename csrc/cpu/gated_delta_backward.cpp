@@ -837,20 +837,13 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                int64_t chunk_size, std::optional<double> l2norm_eps,
                                const std::optional<at::Tensor>& vw_in) {
   const char* op = "rlx::gated_delta_bwd";
-  check_l2norm_eps(op, l2norm_eps);
+  gdn_check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
-  gdn_check_backward_shapes(op, p, v_in, checkpoints, grad_o_in, grad_final_state);
+  // The checks every backend shares (shapes, devices, vw as the forward returned it).
+  gdn_check_backward_inputs(op, p, q_in, v_in, checkpoints, grad_o_in, grad_final_state, vw_in);
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
-  // vw as the forward returned it: [B, T, HV, V] in acc, or empty (not kept: recomputed).
-  gdn_check_backward_devices(op, q_in, checkpoints, grad_o_in, grad_final_state, vw_in);
   const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;
-  if (has_vw) {
-    TORCH_CHECK(vw_in->sizes() == v_in.sizes() && vw_in->scalar_type() == p.acc_dtype, op,
-                ": vw must be the ", p.acc_dtype, " ", v_in.sizes(),
-                " tensor that rlx::gated_delta_fwd returned for these inputs (or None), got ",
-                vw_in->scalar_type(), " ", vw_in->sizes());
-  }
   gdn_check_checkpoint_tag(op, checkpoints,
                            gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();

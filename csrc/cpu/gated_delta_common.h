@@ -250,7 +250,9 @@ inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64
 // chunked backward (one gate per head) then reads it instead of recomputing it, a triangular
 // solve and a product with the state per sub-chunk. The token-by-token backward (a gate per
 // key channel) does not use it.
-inline bool gdn_keeps_vw(const GdnProblem& p) { return p.chunk > 0 && !p.gate_per_channel; }
+inline bool gdn_keeps_vw(const GdnProblem& p) {
+  return ::rlx::gdn_keeps_vw(p.chunk, p.gate_per_channel);
+}
 
 inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return t;
@@ -267,11 +269,6 @@ inline Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, c
                             beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
                             static_cast<acc_t>(scale), l2norm_eps.has_value(),
                             static_cast<acc_t>(l2norm_eps.value_or(0))};
-}
-
-inline void check_l2norm_eps(const char* op, std::optional<double> eps) {
-  TORCH_CHECK(!eps.has_value() || (std::isfinite(*eps) && *eps >= 0), op,
-              ": l2norm_eps must be None or a finite number >= 0, got ", eps.value_or(0));
 }
 
 }  // namespace

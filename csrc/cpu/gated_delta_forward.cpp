@@ -395,7 +395,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     int64_t chunk_size, std::optional<double> l2norm_eps) {
   const GdnProblem p = gdn_check_inputs("rlx::gated_delta_fwd", q_in, k_in, v_in, g_in, beta_in,
                                         initial_state, cu_seqlens, chunk_size);
-  check_l2norm_eps("rlx::gated_delta_fwd", l2norm_eps);
+  gdn_check_l2norm_eps("rlx::gated_delta_fwd", l2norm_eps);
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const auto h0 = contiguous_opt(initial_state);
