@@ -263,6 +263,18 @@ struct RowDrain {
   }
 };
 
+// kFirstLanes[t][j] = (j < t): dg's mask over the sub-chunk's tokens before t.
+struct FirstLanes {
+  double w[17][16];
+  constexpr FirstLanes() : w{} {
+    for (int t = 0; t <= 16; ++t) {
+      for (int j = 0; j < 16; ++j) w[t][j] = j < t ? 1 : 0;
+    }
+  }
+  constexpr const double* operator[](int64_t t) const { return w[t]; }
+};
+inline constexpr FirstLanes kFirstLanes{};
+
 template <typename in_t, typename acc_t>
 void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                              const acc_t* ckpt, const acc_t* vw_saved, const in_t* grad_o,
@@ -552,29 +564,43 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale, dS, sb.gam[m - 1]);
             pump();
             // The sub-chunk's gradients. Per-token sums first, as lane vectors reduced eight
-            // tokens at a time; then dg (see the top of the file): with
-            // straddle[i][t] = sum_{j<t} Z[i][j] (t <= i), dg_t = gam_{n-1} <dSn, S0>
-            // + sum_{i>=t} (gam_terms[i] + straddle[i][t]) + sum_{j<t} dsn_terms[j].
+            // tokens at a time; then dg (see the top of the file), last token first:
+            // dg_t = gam_{n-1} <dSn, S0> + sum_{i>=t} gam_terms[i] + sum_{j<t} dsn_terms[j]
+            //        + sum_{j<t} col[j],  col[j] = sum_{i>=t} Z[i][j] (a row more per token),
+            // in double and by sums alone: no term enters that the result does not hold.
             for (int64_t t = 0; t < Cs; ++t) {
               lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
             }
             hsum_columns(lanes + 2 * Cs, Cs, sums + 2 * Cs);
-            double straddle[Cs][Cs];
-            for (int64_t i = 0; i < m; ++i) {
-              double prefix = 0;
-              for (int64_t t = 0; t <= i; ++t) {
-                straddle[i][t] = prefix;
-                const int64_t it = i * Cs + t;
-                prefix += double(in.scale) * sb.E[it] * kq[t * Cs + i] * gu[it] +
-                          double(sb.A[it]) * wu[it];
-              }
+            gather_columns(kq, Cs, Cs, Cs, mat2);  // qs_i . k_j
+            for (int64_t x = 0; x < CC; x += L) {  // Z (E and A: zero above the diagonal)
+              store_vec(mat + x, in.scale * (load_vec(sb.E + x) * load_vec(mat2 + x)) *
+                                     load_vec(gu + x) + load_vec(sb.A + x) * load_vec(wu + x));
             }
-            double dsn_prefix = 0;
+            for (int64_t t = 0; t < Cs; ++t) mat[t * Cs + t] = 0;
+            double dsn_before[Cs], dsn_sum = 0;
             for (int64_t t = 0; t < m; ++t) {
-              double x = double(sb.gam[m - 1]) * dsn_s0 + dsn_prefix;
-              for (int64_t i = t; i < m; ++i) x += gam_terms[i] + straddle[i][t];
-              dsn_prefix += dsn_terms[t];
-              dg[(s0 + t) * HV + hv] = acc_t(x);
+              dsn_before[t] = dsn_sum;
+              dsn_sum += dsn_terms[t];
+            }
+            using vd = Vec256<double>;
+            constexpr int64_t LD = 4, NC = Cs / LD;
+            static_assert(Cs == 16, "kFirstLanes' size");
+            vd col[NC] = {};
+            const double base = double(sb.gam[m - 1]) * dsn_s0;
+            double gam_suffix = 0;
+            for (int64_t t = m - 1; t >= 0; --t) {
+              gam_suffix += gam_terms[t];
+              vd straddle = {};
+              for (int64_t c = 0; c < NC; ++c) {
+                typedef acc_t row4 __attribute__((vector_size(LD * sizeof(acc_t))));
+                row4 z;
+                std::memcpy(&z, mat + t * Cs + c * LD, sizeof(z));
+                col[c] += __builtin_convertvector(z, vd);
+                straddle += col[c] * load_vec(kFirstLanes[t] + c * LD);
+              }
+              dg[(s0 + t) * HV + hv] =
+                  acc_t(base + gam_suffix + dsn_before[t] + hsum<double>(straddle));
               dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
             }
             drain.flush();  // the rows of the step before (the other set)
