@@ -26,9 +26,10 @@
 //   dg_t = gam_{n-1} <dSn, S0> + sum_{i>=t} gam_i (qs_i . S0 go_i + k_i . S0 dw_i)
 //          + sum_{j<t} E[n-1][j] (k_j . dSn u_j) + sum_{i>=t} sum_{j<t} Z[i][j],
 //   Z[i][j] = E[i][j] (qs_i . k_j) (go_i . u_j) + A[i][j] (dw_i . u_j)   (j < i),
-// summed in double from pieces the products above give (the S0 go and S0 dw rows, dSn u,
-// the Cs x Cs dot products). Every term carries the factor a_t, so dg_t keeps its relative
-// accuracy however strong the decay: a recursion over tokens instead (dg_t = dg_{t+1} +
+// summed in double (Z's entries, products alone, in acc_t) from pieces the products above
+// give (the S0 go and S0 dw rows, dSn u, the Cs x Cs dot products). Every term carries the
+// factor a_t, so dg_t keeps its relative accuracy however strong the decay: a recursion
+// over tokens instead (dg_t = dg_{t+1} +
 // q_{t+1} . dq_{t+1} - b_{t+1} du_{t+1} . v_{t+1}, from <dSn, S_{n-1}>) adds and cancels
 // terms of the size of go . o, and its rounding, ~1e-7 of those and the same for every
 // token, made a gate parameter's gradient several times less accurate than the
