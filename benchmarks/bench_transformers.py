@@ -10,9 +10,15 @@ plain-PyTorch fallback, side by side in one process (CPU, float32).
    transformers' ``torch_chunk_gated_delta_rule`` vs the function ``enable()`` puts in its
    place.
 
-Both sides are checked to agree first. Timed with benchmarks/_timing.py: the sides take
-turns, each first on every other repeat, and every timed call follows an untimed one of the
-same side. Prints the CPU (model, ISA features), the times and ratios, then one JSON line.
+Both sides are checked to agree first. For each target the benchmark also prints the
+arithmetic rate it would need: the model's matmul FLOP per step (counted by
+``torch.utils.flop_counter`` with both kernels near-free) over the time the target leaves,
+and the gated delta rule's FLOP (bench_gdn.py's model, 3 x 7*K*V per token and value head)
+over its time; compare with ``benchmarks/fma_peak.py``.
+
+Timed with benchmarks/_timing.py: the sides take turns, each first on every other repeat,
+and every timed call follows an untimed one of the same side. Prints the CPU (model, ISA
+features), the times and ratios, then one JSON line.
 """
 
 import argparse
@@ -59,6 +65,22 @@ def zero_cost_kernels():
     rlx_hf.disable()
     qwen.torch_chunk_gated_delta_rule = free_recurrence
     qwen.causal_conv1d_fn = free_convolution
+
+
+def matmul_flop(model, ids):
+    """FLOP of one forward + backward step outside the two kernels (both near-free)."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as qwen
+    from torch.utils.flop_counter import FlopCounterMode
+    originals = qwen.torch_chunk_gated_delta_rule, qwen.causal_conv1d_fn
+    zero_cost_kernels()
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            model(ids, labels=ids).loss.backward()
+    finally:
+        qwen.torch_chunk_gated_delta_rule, qwen.causal_conv1d_fn = originals
+        model.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
 
 
 def time_model(model, ids, repeats):
@@ -115,6 +137,11 @@ def main():
           f"speed-up {fb_ms / rlx_ms:5.2f}x  (target >= 4x; logits within {diff:.1e})")
     print(f"  with both kernels near-free {free_ms:8.1f} ms: ceiling of any kernel library "
           f"{fb_ms / free_ms:5.2f}x")
+    flop = matmul_flop(model, ids)
+    need = flop / (fb_ms / 4) / 1e6
+    model_row.update(matmul_gflop=round(flop / 1e9, 2), target_needs_gflops=round(need, 1))
+    print(f"  matmuls outside the kernels: {flop / 1e9:.1f} GFLOP per step; the 4x target leaves "
+          f"{fb_ms / 4:.1f} ms, i.e. {need:.0f} GFLOP/s for them alone")
     print(f"  process CPU time: fallback {fb_cpu:.1f} ms, rlx {rlx_cpu:.1f} ms "
           f"({fb_cpu / rlx_cpu:.2f}x), near-free kernels {free_cpu:.1f} ms "
           f"({fb_cpu / free_cpu:.2f}x)")
@@ -138,10 +165,15 @@ def main():
     kdiff = (side(ours)(*inputs) - side(fallback)(*inputs)).abs().max().item()
     assert kdiff < 1e-3, f"kernel outputs differ by {kdiff}"
     k_fb, k_rlx = timed([side(fallback), side(ours)], inputs, True, args.repeats)
+    kflop = 3 * 7 * K * V * B * T * H
     kernel_row = dict(B=B, T=T, H=H, K=K, V=V, fallback_ms=round(k_fb, 1),
-                      rlx_ms=round(k_rlx, 1), speedup=round(k_fb / k_rlx, 2))
+                      rlx_ms=round(k_rlx, 1), speedup=round(k_fb / k_rlx, 2),
+                      rlx_gflops=round(kflop / k_rlx / 1e6, 1),
+                      target_needs_gflops=round(kflop / (k_fb / 20) / 1e6, 1))
     print(f"kernel fwd+bwd B=1 T=2048 H=4 K=V=128  fallback {k_fb:9.1f} ms  rlx {k_rlx:8.1f} "
           f"ms  speed-up {k_fb / k_rlx:5.2f}x  (target >= 20x)")
+    print(f"  {kflop / 1e9:.2f} GFLOP: rlx {kernel_row['rlx_gflops']:.0f} GFLOP/s; the 20x target "
+          f"leaves {k_fb / 20:.1f} ms, i.e. {kernel_row['target_needs_gflops']:.0f} GFLOP/s")
     emit_json({"bench": "transformers", "cpu": cpu_summary(),
                "threads": torch.get_num_threads(), "torch": torch.__version__,
                "transformers": transformers.__version__, "model_fwd_bwd": model_row,
