@@ -48,17 +48,23 @@ def _command(path, out):
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
-    """Compiles every .cu file at once (one process per file); returns path -> (rc, output)."""
+    """Compiles every .cu file at once (one process per file); returns path -> (rc, output).
+
+    Each compiler writes to its own log file, not a pipe: a pipe left unread while another
+    process is waited for fills up (64 KiB of diagnostics) and stalls its compiler for good."""
     _require_nvcc()
     out_dir = tmp_path_factory.mktemp("cuda_objects")
-    procs = {
-        path: subprocess.Popen(
-            _command(path, str(out_dir / (os.path.basename(path) + ".o"))),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for path in CU_FILES
-    }
-    return {path: (p.wait(), p.stdout.read()) for path, p in procs.items()}
+    procs = {}
+    for path in CU_FILES:
+        name = os.path.basename(path)
+        with open(out_dir / (name + ".log"), "w") as log:
+            procs[path] = subprocess.Popen(_command(path, str(out_dir / (name + ".o"))),
+                                           stdout=log, stderr=subprocess.STDOUT)
+    results = {}
+    for path, p in procs.items():
+        rc = p.wait()
+        results[path] = (rc, (out_dir / (os.path.basename(path) + ".log")).read_text())
+    return results
 
 
 def test_there_are_cuda_sources():

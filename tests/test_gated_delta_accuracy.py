@@ -134,3 +134,23 @@ def test_gate_gradients_in_float32_are_as_accurate_as_a_plain_pytorch_fallback(
     for name, (err_ours, err_theirs) in report.items():
         assert err_ours <= err_theirs, f"{name}: rlx {err_ours:.2e} vs fallback " \
                                        f"{err_theirs:.2e} ({report})"
+
+
+@pytest.mark.slow
+def test_chunked_backward_gate_gradients_are_as_accurate_as_the_token_by_token_one(monkeypatch):
+    """The chunked (WY) backward's gate gradients against the token-by-token backward's, on the
+    same inputs: both are ours, so the comparison does not depend on the machine's matmul.
+    Eight heads spread A_log over fla's range (the strongly decaying heads are where a
+    recursion for dg over the tokens of a sub-chunk, cancelling terms of the size of go . o,
+    was several times less accurate), and give the figures enough samples to be stable."""
+    size = dict(B=2, T=256, H=8, K=64, V=64, seed=0)
+    exact = gate_gradients(torch.float64, recurrence, **size)
+    chunked = gate_gradients(torch.float32, rlx, **size)
+    monkeypatch.setenv("RLX_GDN_RECURRENT_BACKWARD", "1")
+    token_by_token = gate_gradients(torch.float32, rlx, **size)
+    report = {name: (relative_rms(chunked[name], exact[name]),
+                     relative_rms(token_by_token[name], exact[name])) for name in exact}
+    for name, (err_chunked, err_token_by_token) in report.items():
+        assert err_chunked <= 1.1 * err_token_by_token, \
+            f"{name}: chunked {err_chunked:.2e} vs token-by-token " \
+            f"{err_token_by_token:.2e} ({report})"

@@ -20,13 +20,20 @@
 //          + sum_{j>t} E[j][t] (dw_j . u_t) k_j + gam_t S0 dw_t
 //          + sum_{j<t} E[t][j] (u_j . dw_t) k_j,
 //   dS0 = gam_{n-1} dSn + sum_t gam_t (qs_t go_t^T + k_t dw_t^T),
-// and dg without a pass over the state per token: dg_t = <dS~_t, S~_t> (S~_t = a_t S_{t-1},
-// dS~_t its gradient), and with phi_t = <dS_t, S_t> (dS_t: the gradient from tokens after t),
-// psi_t = dg_t satisfies
-//   psi_t = phi_t + q_t . dq_t - b_t du_t . v_t   and   phi_{t-1} = psi_t,
-// since S_t = (I - b k k^T) S~_t + b k v^T, dS~_t = (I - b k k^T) D_t with
-// D_t = dS_t + scale q_t go_t^T, and go_t . o_t = q_t . dq_t. The recursion restarts from an
-// exact phi (in double) at every sub-chunk's end, so rounding builds up over Cs tokens only.
+// and dg without a pass over the state per token, from the decay products g_t enters
+// (d gam_i / d g_t = gam_i [t <= i], d E[i][j] / d g_t = E[i][j] [j < t <= i]; u held fixed
+// by the adjoint du, as in the adjoint's -b du = dw):
+//   dg_t = gam_{n-1} <dSn, S0> + sum_{i>=t} gam_i (qs_i . S0 go_i + k_i . S0 dw_i)
+//          + sum_{j<t} E[n-1][j] (k_j . dSn u_j) + sum_{i>=t} sum_{j<t} Z[i][j],
+//   Z[i][j] = E[i][j] (qs_i . k_j) (go_i . u_j) + A[i][j] (dw_i . u_j)   (j < i),
+// summed in double (Z's entries, products alone, in acc_t) from pieces the products above
+// give (the S0 go and S0 dw rows, dSn u, the Cs x Cs dot products). Every term carries the
+// factor a_t, so dg_t keeps its relative accuracy however strong the decay: a recursion
+// over tokens instead (dg_t = dg_{t+1} +
+// q_{t+1} . dq_{t+1} - b_{t+1} du_{t+1} . v_{t+1}, from <dSn, S_{n-1}>) adds and cancels
+// terms of the size of go . o, and its rounding, ~1e-7 of those and the same for every
+// token, made a gate parameter's gradient several times less accurate than the
+// token-by-token backward's where the decays are strong.
 // vw comes from the forward when it kept it (gdn_keeps_vw; else solve_vw below).
 // That is 7 products of a Cs x K (or V) block with a K x V state per sub-chunk (8 when vw is
 // solved for), ~7 multiply-adds per state element and token where the token-by-token
@@ -257,6 +264,18 @@ struct RowDrain {
   }
 };
 
+// kFirstLanes[t][j] = (j < t): dg's mask over the sub-chunk's tokens before t.
+struct FirstLanes {
+  double w[17][16];
+  constexpr FirstLanes() : w{} {
+    for (int t = 0; t <= 16; ++t) {
+      for (int j = 0; j < 16; ++j) w[t][j] = j < t ? 1 : 0;
+    }
+  }
+  constexpr const double* operator[](int64_t t) const { return w[t]; }
+};
+inline constexpr FirstLanes kFirstLanes{};
+
 template <typename in_t, typename acc_t>
 void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
                              const acc_t* ckpt, const acc_t* vw_saved, const in_t* grad_o,
@@ -278,7 +297,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     // What the forward walk over a chunk keeps per sub-chunk for the backward walk: the k
     // and v rows (k^T too), u, vw, A (strictly lower), E and E^T, gam, beta, k's l2norm
-    // factors; and the states before each sub-chunk (and after the last).
+    // factors; and the states before each sub-chunk.
     struct Sub {
       int64_t n;
       acc_t *kc, *kct, *vc, *u, *vw, *A, *E, *ET, *gam, *b, *rk;
@@ -288,7 +307,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     const int64_t sub_size = 2 * Cs * Kp + 3 * Cs * Vp + 3 * CC + 3 * Cs;
     const int64_t scratch_size = nsubs * sub_size + (nsubs + 1) * SP + 2 * SP + 2 * Cs * Kp +
                                  3 * Cs * Vp + Vp * Cs + 2 * Kp * Cs + 4 * CC +
-                                 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + Cs * Vp + CC +
+                                 2 * Cs * (2 * Kp + Vp) + 2 * Cs + Kp * Cs + Cs * Vp + 2 * CC +
                                  5 * Cs;
     const HugeScratch scratch_block(scratch_size * sizeof(acc_t));
     acc_t* free = static_cast<acc_t*>(scratch_block.get());
@@ -301,8 +320,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
       sb.gam = take(Cs), sb.b = take(Cs), sb.rk = take(Cs);
     }
     acc_t* const states = take((nsubs + 1) * SP);
-    // The states before the sub-chunks and after the last: a checkpoint is read in place
-    // when it needs no padding (K, V multiples of the vector length), else copied padded.
+    // The states before the sub-chunks (and a slot for the state after the last, which
+    // forward_sub is not asked for): a checkpoint is read in place when it needs no padding
+    // (K, V multiples of the vector length), else copied padded.
     std::vector<const acc_t*> state(nsubs + 1);
     auto padded_state = [&](const acc_t* src, acc_t* dst) -> const acc_t* {
       if (K == Kp && V == Vp) return src;
@@ -320,6 +340,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
     acc_t* const grad_rows = take(2 * Cs * (2 * Kp + Vp));
     acc_t *const elast = take(Cs), *const rq = take(Cs), *const tmp = take(Kp * Cs);
     acc_t *const rhs = take(Cs * Vp), *const inv = take(CC);
+    acc_t* const kq = take(CC);  // k_i . qs_j, kept for dg
     acc_t *const sgam = take(2 * Cs), *const sums = take(3 * Cs);
     std::vector<Vec256<acc_t>> lanes_buf(3 * Cs);
     Vec256<acc_t>* const lanes = lanes_buf.data();
@@ -437,12 +458,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             ahead.add(in.q, t, n, H, h, K, sizeof(in_t));
             ahead.add(grad_o, t, n, HV, hv, V, sizeof(in_t));
           }
-          // (the state after the chunk, for dg's phi: the next checkpoint when there is one)
           for (int64_t s = 0; s < ns; ++s) {
-            forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), h, hv,
-                        s + 1 < ns || c + 1 == nchunks);
+            forward_sub(s, t0 + s * Cs, std::min(Cs, len - s * Cs), h, hv, s + 1 < ns);
           }
-          if (c + 1 < nchunks) state[ns] = padded_state(ck + HV * KV, &states[ns * SP]);
           ahead.restart();  // the k and v rows of the chunk before, for its forward walk
           if (c > 0) ahead.add(ck - HV * KV, 0, 1, 1, 0, KV, sizeof(acc_t));  // its checkpoint
           for (int64_t t = t0 - C; c > 0 && t < t0; t += Cs) {
@@ -457,17 +475,15 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             acc_t* const dqr = grad_rows + (step++ % 2) * Cs * (2 * Kp + Vp);
             acc_t* const dkr = dqr + Cs * Kp;
             acc_t* const dvr = dkr + Cs * Kp;
-            const acc_t *S0 = state[s], *S1 = state[s + 1];
-            // phi = <dSn, S_{n-1}> for dg's recursion, at every sub-chunk's end: rounding then
-            // builds up over Cs tokens only, not over the chunk (the recursion's value carried
-            // from the sub-chunk after made the gate parameters' gradients several times less
-            // accurate than a plain float32 autograd of the recurrence). One K x V dot per Cs
-            // tokens, against the products' ~7 Cs.
-            const double phi = dot_f64(SP, dS, S1);
+            const acc_t* S0 = state[s];
+            // dg's terms, in double: <dSn, S0> (exact: one K x V dot per Cs tokens, against
+            // the products' ~7 Cs), and per token gam_t (qs_t . S0 go_t + k_t . S0 dw_t)
+            // and E[n-1][t] (k_t . dSn u_t)
+            const double dsn_s0 = dot_f64(SP, dS, S0);
+            double gam_terms[Cs], dsn_terms[Cs];
             pump();
             rstd_rows(in.q, s0, m, h, rq);
-            // q rows unscaled: scale goes into the products that use them (so the q . dq of
-            // dg's recursion needs no division by it).
+            // q rows unscaled: scale goes into the products that use them.
             load_rows(in.q, s0, m, Cs, H, h, K, Kp, rq, acc_t(1), qs);
             for (int64_t t = 0; t < Cs; ++t) {
               sgam[t] = in.scale * sb.gam[t];
@@ -482,6 +498,7 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // i.e. (I + diag(b) A)^T du = the first two terms: du = inverse^T x them.
             gemm(Cs, Vp, Kp, sb.kc, Kp, dS, Vp, rhs, Vp, elast, no_addend);
             gemm(Cs, Cs, Kp, sb.kc, Kp, qkt, 2 * Cs, mat, Cs, no_scale, no_addend);
+            std::copy(mat, mat + CC, kq);
             hadamard(CC, sb.ET, mat, mat, in.scale);
             gemm(Cs, Vp, Cs, mat, Cs, dOc, Vp, rhs, Vp, no_scale, rhs, acc_t(1), Tri::kUpper);
             pump();
@@ -504,6 +521,10 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // [go; dw] u^T and [go; dw] S0^T (the latter's rows scaled by scale gam and gam)
             gemm(2 * Cs, Cs, Vp, ow, Vp, ut, Cs, gu, Cs, no_scale, no_addend);
             gemm(2 * Cs, Kp, Vp, ow, Vp, S0T, Kp, dqr, Kp, sgam, no_addend);
+            for (int64_t t = 0; t < m; ++t) {
+              gam_terms[t] = dot_f64(Kp, qs + t * Kp, dqr + t * Kp) +
+                             dot_f64(Kp, sb.kc + t * Kp, dkr + t * Kp);
+            }
             hadamard(CC, sb.E, gu, mat, in.scale);
             gemm(Cs, Kp, Cs, mat, Cs, sb.kc, Kp, dqr, Kp, no_scale, dqr, acc_t(1), Tri::kLower);
             // dk = E[n-1][t] dSn u_t + gam_t S0 dw_t + sum_{j>=t} E[j][t] (go_j . u_t) qs_j
@@ -512,6 +533,9 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             // to transpose that dSn^T would need)
             gemm(Kp, Cs, Vp, dS, Vp, ut, Cs, tmp, Cs, no_scale, no_addend);
             gather_columns(tmp, Kp, Cs, Kp, dsu);
+            for (int64_t t = 0; t < m; ++t) {
+              dsn_terms[t] = double(elast[t]) * dot_f64(Kp, sb.kc + t * Kp, dsu + t * Kp);
+            }
             for (int64_t t = 0; t < Cs; ++t) {
               for (int64_t d = 0; d < Kp; d += L) {
                 store_vec(dkr + t * Kp + d,
@@ -541,18 +565,43 @@ void chunked_backward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in,
             gemm(Kp, Vp, 2 * Cs, qkt, 2 * Cs, ow, Vp, dS, Vp, no_scale, dS, sb.gam[m - 1]);
             pump();
             // The sub-chunk's gradients. Per-token sums first, as lane vectors reduced eight
-            // tokens at a time; then dg by its recursion, last token first: with
-            // phi_t = <dS_t, S_t>, dg_t = psi_t = phi_t + go_t . o_t - b_t du_t . v_t and
-            // phi_{t-1} = psi_t (see backward_kernel); go_t . o_t = q_t . dq_t.
+            // tokens at a time; then dg (see the top of the file), last token first:
+            // dg_t = gam_{n-1} <dSn, S0> + sum_{i>=t} gam_terms[i] + sum_{j<t} dsn_terms[j]
+            //        + sum_{j<t} col[j],  col[j] = sum_{i>=t} Z[i][j] (a row more per token),
+            // in double and by sums alone: no term enters that the result does not hold.
             for (int64_t t = 0; t < Cs; ++t) {
               lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
             }
             hsum_columns(lanes + 2 * Cs, Cs, sums + 2 * Cs);
-            double psi = phi;  // (a sum of terms that largely cancel: all in double)
+            gather_columns(kq, Cs, Cs, Cs, mat2);  // qs_i . k_j
+            for (int64_t x = 0; x < CC; x += L) {  // Z (E and A: zero above the diagonal)
+              store_vec(mat + x, in.scale * (load_vec(sb.E + x) * load_vec(mat2 + x)) *
+                                     load_vec(gu + x) + load_vec(sb.A + x) * load_vec(wu + x));
+            }
+            for (int64_t t = 0; t < Cs; ++t) mat[t * Cs + t] = 0;
+            double dsn_before[Cs], dsn_sum = 0;
+            for (int64_t t = 0; t < m; ++t) {
+              dsn_before[t] = dsn_sum;
+              dsn_sum += dsn_terms[t];
+            }
+            using vd = Vec256<double>;
+            constexpr int64_t LD = 4, NC = Cs / LD;
+            static_assert(Cs == 16, "kFirstLanes' size");
+            vd col[NC] = {};
+            const double base = double(sb.gam[m - 1]) * dsn_s0;
+            double gam_suffix = 0;
             for (int64_t t = m - 1; t >= 0; --t) {
-              psi += dot_f64(Kp, qs + t * Kp, dqr + t * Kp) -
-                     double(sb.b[t]) * dot_f64(Vp, du + t * Vp, sb.vc + t * Vp);
-              dg[(s0 + t) * HV + hv] = acc_t(psi);
+              gam_suffix += gam_terms[t];
+              vd straddle = {};
+              for (int64_t c = 0; c < NC; ++c) {
+                typedef acc_t row4 __attribute__((vector_size(LD * sizeof(acc_t))));
+                row4 z;
+                std::memcpy(&z, mat + t * Cs + c * LD, sizeof(z));
+                col[c] += __builtin_convertvector(z, vd);
+                straddle += col[c] * load_vec(kFirstLanes[t] + c * LD);
+              }
+              dg[(s0 + t) * HV + hv] =
+                  acc_t(base + gam_suffix + dsn_before[t] + hsum<double>(straddle));
               dbeta[(s0 + t) * HV + hv] = sums[2 * Cs + t];
             }
             drain.flush();  // the rows of the step before (the other set)

@@ -14,7 +14,8 @@
 namespace rlx {
 namespace mps {
 
-// codebook.metal
+// codebook.metal and codebook_sorted.metal (the latter reads the shape, has_scales and
+// sorted_count)
 struct CodebookParams {
   uint32_t rows;              // B
   uint32_t in_features;       // K
@@ -30,23 +31,10 @@ struct CodebookParams {
   uint32_t groups_per_block;  // dcodebook: groups g per threadgroup
   uint32_t num_gblocks;       // dcodebook: number of group blocks (partials)
   uint32_t lut_scan;          // dcodebook: small batch, scan codes once per batch row
+  uint32_t sorted_count;      // sorted dcodebook (16-bit codes): N * G * M sorted codes
 };
 
-// codebook_sorted.metal (grad_codebook for 16-bit indices)
-struct CodebookSortedParams {
-  uint32_t rows;           // B
-  uint32_t in_features;    // K
-  uint32_t out_features;   // N
-  uint32_t groups;         // G = K / D
-  uint32_t num_codebooks;  // M
-  uint32_t num_entries;    // E
-  uint32_t entry_dim;      // D
-  uint32_t has_scales;
-  uint32_t count;  // N * G * M sorted codes
-};
-
-static_assert(sizeof(CodebookParams) == 56, "CodebookParams: 14 4-byte fields");
-static_assert(sizeof(CodebookSortedParams) == 36, "CodebookSortedParams: 9 4-byte fields");
+static_assert(sizeof(CodebookParams) == 60, "CodebookParams: 15 4-byte fields");
 
 }  // namespace mps
 }  // namespace rlx

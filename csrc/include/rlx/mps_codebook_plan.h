@@ -268,7 +268,7 @@ inline CodebookPlan plan_codebook_dscale_dbias(const CodebookShape& s, bool want
 
 struct CodebookSortedPlan {
   Launch launch;
-  CodebookSortedParams params{};
+  CodebookParams params{};
 };
 
 constexpr uint32_t kCodebookSortedChunk = 8;  // codebook_sorted.metal kChunk
@@ -278,16 +278,9 @@ constexpr uint32_t kCodebookSortedChunk = 8;  // codebook_sorted.metal kChunk
 inline CodebookSortedPlan plan_codebook_dcodebook_sorted(
     const CodebookShape& s, uint32_t max_threads = kMaxThreadsPerThreadgroup) {
   CodebookSortedPlan plan;
-  CodebookSortedParams& p = plan.params;
-  p.rows = uint32_t(s.rows);
-  p.in_features = uint32_t(s.in_features);
-  p.out_features = uint32_t(s.out_features);
-  p.groups = uint32_t(s.groups);
-  p.num_codebooks = uint32_t(s.num_codebooks);
-  p.num_entries = uint32_t(s.num_entries);
-  p.entry_dim = uint32_t(s.entry_dim);
-  p.has_scales = s.has_scales;
-  p.count = uint32_t(s.out_features * s.groups * s.num_codebooks);
+  CodebookParams& p = plan.params;
+  p = codebook_params(s);
+  p.sorted_count = uint32_t(s.out_features * s.groups * s.num_codebooks);
   static const char* const names[3] = {"codebook_dcodebook_sorted_f32",
                                        "codebook_dcodebook_sorted_f16",
                                        "codebook_dcodebook_sorted_bf16"};

@@ -9,8 +9,8 @@
 #include <metal_stdlib>
 using namespace metal;
 
-#include "rlx/mps_codebook_params.h"  // CodebookSortedParams, shared with the host code
-using rlx::mps::CodebookSortedParams;
+#include "rlx/mps_codebook_params.h"  // CodebookParams, shared with the host code
+using rlx::mps::CodebookParams;
 
 constant constexpr uint kChunk = 8;  // entry components per thread
 
@@ -37,15 +37,15 @@ kernel void codebook_dcodebook_sorted(device const T* grad_out [[buffer(0)]],
                                       device const uint* order [[buffer(3)]],
                                       device const T* scales [[buffer(4)]],
                                       device T* grad_codebook [[buffer(5)]],
-                                      constant CodebookSortedParams& p [[buffer(6)]],
+                                      constant CodebookParams& p [[buffer(6)]],
                                       uint gid [[thread_position_in_grid]]) {
   const uint D = p.entry_dim, chunks = (D + kChunk - 1) / kChunk;
   if (gid >= p.num_codebooks * p.num_entries * chunks) return;
   const uint key = gid / chunks, t0 = (gid % chunks) * kChunk, nt = min(kChunk, D - t0);
   const uint M = p.num_codebooks, GM = p.groups * M, N = p.out_features, K = p.in_features;
   float acc[kChunk] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  const uint end = lower_bound(keys, p.count, key + 1);
-  for (uint i = lower_bound(keys, p.count, key); i < end; ++i) {
+  const uint end = lower_bound(keys, p.sorted_count, key + 1);
+  for (uint i = lower_bound(keys, p.sorted_count, key); i < end; ++i) {
     const uint pos = order[i];
     const uint j = pos / GM, g = (pos % GM) / M;
     const float s = p.has_scales ? float(scales[j]) : 1.0f;
