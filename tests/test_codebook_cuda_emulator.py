@@ -33,6 +33,10 @@ CASES = {
     "rounds_of_four_warps": (torch.float16, 2, 21, 200, 2, 256, True, True, True, 1, 4),
     "four_tiles_ragged_rows": (torch.float16, 12, 45, 72, 2, 256, True, True, True, 4, 8),
     "byte_codes_path": (torch.float16, 8, 18, 32, 1, 256, False, False, False, 2, 16),
+    # K = 4160 > 4096 with two codebooks: rounds of cp.async groups, a ragged last window and
+    # block, and enough products that a rounded entry sum would show
+    "long_k_two_codebooks": (torch.float16, 3, 70, 520, 2, 256, True, True, True, 4, 16),
+    "long_k_two_codebooks_bf16": (torch.bfloat16, 3, 70, 520, 2, 256, True, True, True, 4, 16),
 }
 
 
@@ -57,9 +61,9 @@ def test_emulated_mma_forward_matches_reference(case, emulator, tmp_path):
     assert proc.returncode == 0, proc.stderr
     got = torch.from_file(str(tmp_path / "out.bin"), size=B * N, dtype=torch.int16)
     got = got.view(dtype).view(B, N).double()
-    # W in the input dtype: the sum of the M entries rounded once (the kernel adds M = 2 in it)
-    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M))  # [N, G, 8]
-    W = W.to(dtype).double().reshape(N, G * 8)
+    # W exactly (the M entries' sum is never rounded to the input dtype): only float32
+    # accumulation and the output's rounding separate the kernel from the float64 math
+    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
     want = x.double() @ W.T
     if has_s:
         want = want * scales.double()

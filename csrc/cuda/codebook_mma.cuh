@@ -21,9 +21,10 @@
 // codebook entry (A) and one of x (B), and the lane's codes for the window are the 8 bytes
 // (8 M for M = 2) of groups g0 + 8 (tig >> 1) .. + 7 of its two rows.
 //
-// The weights are the input dtype's: with M = 2 the two entries are added in it (one rounding,
-// as the dense path's dequantized weight); with M = 1 they are the codebook's values. Products
-// and sums are float32.
+// A holds the codebook's values themselves: with M = 2 each codebook's entries go through
+// their own mma into the same float32 sums. Adding the two entries first would save an mma
+// but round every weight to the input dtype: an error that grows with sqrt(K), has no
+// counterpart in the math, and at long K outgrows the output's own rounding.
 //
 // This header is also compiled on the CPU by tests/cuda_emu (RLX_CUDA_EMULATION): there the
 // 16-bit types are bit patterns converted in software and the mma is emulated per warp.
@@ -31,6 +32,11 @@
 
 #include <cstdint>
 #include <type_traits>
+#ifdef RLX_CUDA_EMULATION
+#include <cstring>
+#include <utility>
+#include <vector>
+#endif
 
 namespace rlx::codebook::cuda {
 
@@ -56,17 +62,6 @@ __device__ __forceinline__ uint16_t float_to_bits(float f) {
   } else {
     return __bfloat16_as_ushort(__float2bfloat16_rn(f));
   }
-}
-// Two packed 16-bit sums, rounded once to nearest (bf16: a * 1 + b, sm_80's fma.bf16x2).
-template <Bits16 kind>
-__device__ __forceinline__ uint32_t add2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (kind == Bits16::kHalf) {
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-  } else {
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(0x3f803f80u), "r"(b));
-  }
-  return r;
 }
 // c += A B, A 16 x 16 (4 registers), B 16 x 8 (2 registers), c float32 16 x 8 (4 per lane).
 template <Bits16 kind>
@@ -96,14 +91,6 @@ inline float bits_to_float(uint16_t u) {
 template <Bits16 kind>
 inline uint16_t float_to_bits(float f) {
   return kind == Bits16::kHalf ? emu::float_to_half(f) : emu::float_to_bf16(f);
-}
-template <Bits16 kind>
-inline uint32_t add2(uint32_t a, uint32_t b) {
-  auto one = [](uint32_t x, uint32_t y, int sh) {
-    const float s = bits_to_float<kind>(uint16_t(x >> sh)) + bits_to_float<kind>(uint16_t(y >> sh));
-    return uint32_t(float_to_bits<kind>(s)) << sh;
-  };
-  return one(a, b, 0) | one(a, b, 16);
 }
 template <Bits16 kind>
 inline void mma_16816(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
@@ -144,10 +131,33 @@ __device__ __forceinline__ void async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
 }
 #else
-inline void copy16_async(void* smem, const void* gmem) { std::memcpy(smem, gmem, 16); }
-inline void async_commit() {}
+// The emulation keeps cp.async's contract rather than copying at once: each thread's copies
+// land only when a wait retires their group, so a read before its wait (and barrier) sees
+// the NaN bytes shared memory starts with.
+struct AsyncCopies {
+  struct Copy {
+    void* dst;
+    const void* src;
+  };
+  std::vector<Copy> open;                 // issued since the last commit
+  std::vector<std::vector<Copy>> groups;  // committed, oldest first
+};
+inline thread_local AsyncCopies async_copies;
+inline void copy16_async(void* smem, const void* gmem) {
+  async_copies.open.push_back({smem, gmem});
+}
+inline void async_commit() {
+  async_copies.groups.push_back(std::move(async_copies.open));
+  async_copies.open.clear();
+}
 template <int N>
-inline void async_wait() {}
+inline void async_wait() {
+  auto& g = async_copies.groups;
+  while (g.size() > size_t(N)) {
+    for (const auto& c : g.front()) std::memcpy(c.dst, c.src, 16);
+    g.erase(g.begin());
+  }
+}
 #endif
 // Waits until at most `pending` groups are in flight (more than 7 waits as for 7: safe).
 __device__ __forceinline__ void async_wait_at_most(int pending) {
@@ -316,26 +326,22 @@ __global__ void __launch_bounds__(WARPS * 32)
       for (int s = 0; s < 8; ++s) {
         const bool valid = !kRagged || g0 + s + 8 * half < G;  // A is zero past K (B is too)
 #pragma unroll
-        for (int t = 0; t < RT; ++t) {
-          uint32_t a[4];
+        for (int t = 0; t < RT; ++t)
 #pragma unroll
-          for (int q = 0; q < 2; ++q) {
-            uint32_t lo = 0u, hi = 0u;
+          for (int m = 0; m < M; ++m) {  // one product per codebook: the entries are not added
+            uint32_t a[4];
 #pragma unroll
-            for (int m = 0; m < M; ++m) {
+            for (int q = 0; q < 2; ++q) {
               const int byte = s * M + m;
               uint32_t code = (cw[t][q][byte / 4] >> (8 * (byte % 4))) & 0xffu;
               if (kRagged) code = valid ? code : 0u;
               const uint2 e = *reinterpret_cast<const uint2*>(Cm[m] + code * 8);
-              lo = m == 0 ? e.x : add2<kind>(lo, e.x);
-              hi = m == 0 ? e.y : add2<kind>(hi, e.y);
+              a[q] = kRagged && !valid ? 0u : e.x;      // rows gid (+ 8 q), logical k 2 tig, +1
+              a[2 + q] = kRagged && !valid ? 0u : e.y;  // logical k 2 tig + 8, 2 tig + 9
             }
-            a[q] = kRagged && !valid ? 0u : lo;      // rows gid (+ 8 q), logical k 2 tig, 2 tig + 1
-            a[2 + q] = kRagged && !valid ? 0u : hi;  // logical k 2 tig + 8, 2 tig + 9
-          }
 #pragma unroll
-          for (int nt = 0; nt < NT; ++nt) mma_16816<kind>(acc[t][nt], a, cur.b[nt][s]);
-        }
+            for (int nt = 0; nt < NT; ++nt) mma_16816<kind>(acc[t][nt], a, cur.b[nt][s]);
+          }
       }
     };
     if (g0 + kWindowGroups <= G) {
