@@ -39,6 +39,10 @@ CUDA_SHAPES = [
     (4, 19, 10, 24, 16, 1),
     # the tensor-core forward with more K windows (16 groups) than warps, the last one half full
     (2, 41, 264, 8, 256, 1),
+    # K > 4096: blocks of 4 row tiles (16 warps up to 8 rows, 8 warps above), the last block
+    # ragged, a ragged last window
+    (3, 70, 520, 8, 256, 2),
+    (11, 70, 520, 8, 256, 1),
 ]
 ALL_SHAPES = SHAPES + CUDA_SHAPES
 
@@ -55,6 +59,17 @@ def test_forward_matches_reference(shape, dtype):
     out = rlx_torch.codebook_matmul(*cuda(x, idx, cb, s, b))
     assert out.is_cuda and out.dtype == dtype and out.shape == (*x.shape[:-1], n)
     atol, rtol = tolerances(dtype)
+    want = reference_in_float64(x, idx, cb, s, b)
+    torch.testing.assert_close(out.cpu().double(), want, atol=atol * 10, rtol=rtol)
+
+
+@pytest.mark.parametrize("groups,m", [(4000, 1), (2000, 2)])
+def test_forward_codes_beyond_shared_memory(groups, m):
+    # a block's 64 rows of codes (K > 4096: 4 row tiles) take over 250 KiB, more than a block's
+    # shared memory: the tensor-core forward steps aside for the direct forward
+    x, idx, cb, s, b = make_inputs(2, 20, groups, 8, 256, m, torch.float16)
+    out = rlx_torch.codebook_matmul(*cuda(x, idx, cb, s, b))
+    atol, rtol = tolerances(torch.float16)
     want = reference_in_float64(x, idx, cb, s, b)
     torch.testing.assert_close(out.cpu().double(), want, atol=atol * 10, rtol=rtol)
 

@@ -22,20 +22,27 @@ def _bits(t):
     return t.contiguous().view(torch.int16).numpy()
 
 
-# (dtype, B, N, G, M, E, scales, bias, fast codes)
+# (dtype, B, N, G, M, E, scales, bias, fast codes, row tiles per block, warps per block)
 CASES = {
-    "one_row_ragged_tile_half_window": (torch.float16, 1, 40, 40, 1, 256, True, True, True),
-    "two_codebooks_ragged_groups": (torch.float16, 5, 16, 33, 2, 37, True, False, False),
-    "sixteen_rows_bf16": (torch.bfloat16, 16, 20, 16, 2, 256, False, True, True),
-    "nine_rows_bias_only": (torch.bfloat16, 9, 17, 48, 1, 200, False, True, True),
-    "more_windows_than_warps": (torch.float16, 3, 33, 272, 1, 256, True, True, True),
-    "byte_codes_path": (torch.float16, 8, 18, 32, 1, 256, False, False, False),
+    "one_row_ragged_tile_half_window": (torch.float16, 1, 40, 40, 1, 256, True, True, True, 2, 16),
+    "two_codebooks_ragged_groups": (torch.float16, 5, 16, 33, 2, 37, True, False, False, 2, 16),
+    "three_rows_four_tiles": (torch.bfloat16, 3, 35, 48, 2, 256, False, True, True, 4, 16),
+    "sixteen_rows_bf16": (torch.bfloat16, 16, 20, 16, 2, 256, False, True, True, 2, 16),
+    "nine_rows_bias_only": (torch.bfloat16, 9, 17, 48, 1, 200, False, True, True, 4, 8),
+    "more_windows_than_warps": (torch.float16, 3, 33, 272, 1, 256, True, True, True, 2, 16),
+    "rounds_of_four_warps": (torch.float16, 2, 21, 200, 2, 256, True, True, True, 1, 4),
+    "four_tiles_ragged_rows": (torch.float16, 12, 45, 72, 2, 256, True, True, True, 4, 8),
+    "byte_codes_path": (torch.float16, 8, 18, 32, 1, 256, False, False, False, 2, 16),
+    # K = 4160 > 4096 with two codebooks: rounds of cp.async groups, a ragged last window and
+    # block, and enough products that a rounded entry sum would show
+    "long_k_two_codebooks": (torch.float16, 3, 70, 520, 2, 256, True, True, True, 4, 16),
+    "long_k_two_codebooks_bf16": (torch.bfloat16, 3, 70, 520, 2, 256, True, True, True, 4, 16),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_emulated_mma_forward_matches_reference(case, emulator, tmp_path):
-    dtype, B, N, G, M, E, has_s, has_b, fast = CASES[case]
+    dtype, B, N, G, M, E, has_s, has_b, fast, row_tiles, warps = CASES[case]
     gen = torch.Generator().manual_seed(len(case))
     x = torch.randn(B, G * 8, generator=gen).to(dtype)
     cb = (torch.randn(M, E, 8, generator=gen) * 0.5).to(dtype)
@@ -48,14 +55,15 @@ def test_emulated_mma_forward_matches_reference(case, emulator, tmp_path):
     _bits(scales).tofile(str(tmp_path / "scales.bin"))
     _bits(bias).tofile(str(tmp_path / "bias.bin"))
     kind = 0 if dtype == torch.float16 else 1
-    args = [emulator, tmp_path, kind, B, N, G, M, E, int(has_s), int(has_b), int(fast)]
+    args = [emulator, tmp_path, kind, B, N, G, M, E, int(has_s), int(has_b), int(fast),
+            row_tiles, warps]
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     got = torch.from_file(str(tmp_path / "out.bin"), size=B * N, dtype=torch.int16)
     got = got.view(dtype).view(B, N).double()
-    # W in the input dtype: the sum of the M entries rounded once (the kernel adds M = 2 in it)
-    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M))  # [N, G, 8]
-    W = W.to(dtype).double().reshape(N, G * 8)
+    # W exactly (the M entries' sum is never rounded to the input dtype): only float32
+    # accumulation and the output's rounding separate the kernel from the float64 math
+    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
     want = x.double() @ W.T
     if has_s:
         want = want * scales.double()

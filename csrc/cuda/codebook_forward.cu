@@ -10,10 +10,40 @@
 namespace rlx::codebook::cuda {
 namespace {
 
-// The tensor-core path (codebook_mma.cuh): 16-bit x, D = 8, one or two codebooks, 1-16 rows.
+// Shared memory one block may take on the current device (the opt-in maximum: 227 KiB on
+// Hopper, 163 KiB on the A100).
+size_t max_block_smem() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return static_cast<size_t>(bytes);
+}
+
+// Launch shape of the tensor-core forward: 16 RT output rows and `warps` warps per block.
+// Chosen from H200 timings at N = K = 4096 and 8192 (docs/benchmarks.md): more row tiles per
+// block re-read x fewer times and give each warp independent products to overlap; past
+// K = 4096 four tiles win, and with two n8 tiles of x (more than 8 rows) 8 warps keep their
+// registers.
+struct MmaShape {
+  int row_tiles, warps;
+};
+
+MmaShape mma_shape(const Dims& d) {
+  if (d.in_features <= 4096) return {2, 16};
+  return d.rows <= 8 ? MmaShape{4, 16} : MmaShape{4, 8};
+}
+
+size_t mma_smem(const Dims& d, const MmaShape& shape) {
+  return mma_forward_smem(d.num_codebooks, d.num_entries, d.rows <= 8 ? 1 : 2, shape.row_tiles,
+                          shape.warps, d.groups);
+}
+
+// The tensor-core path (codebook_mma.cuh): 16-bit x, D = 8, one or two codebooks, 1-16 rows,
+// and the block's codes (16 RT rows of G*M bytes) within the device's shared memory.
 bool use_mma_forward(const Dims& d, at::ScalarType dtype) {
   return (dtype == at::kHalf || dtype == at::kBFloat16) && d.entry_dim == 8 &&
-         (d.num_codebooks == 1 || d.num_codebooks == 2) && d.rows >= 1 && d.rows <= kMmaMaxRows;
+         (d.num_codebooks == 1 || d.num_codebooks == 2) && d.rows >= 1 &&
+         d.rows <= kMmaMaxRows && mma_smem(d, mma_shape(d)) <= max_block_smem();
 }
 
 template <typename scalar_t>
@@ -21,27 +51,47 @@ void launch_mma_forward(const Dims& d, at::Tensor x2d, const at::Tensor& idx,
                         const at::Tensor& cb, const scalar_t* scales, const scalar_t* bias,
                         at::Tensor& out2d, cudaStream_t stream) {
   constexpr Bits16 kind = std::is_same_v<scalar_t, at::Half> ? Bits16::kHalf : Bits16::kBFloat16;
+  const MmaShape shape = mma_shape(d);
   // x is read with 8-byte loads: a view starting off an 8-byte boundary is copied (<= 16 rows)
   if (reinterpret_cast<uintptr_t>(x2d.data_ptr()) % 8 != 0) x2d = x2d.clone();
-  const bool fast_codes =
-      d.groups % 8 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
+  const bool async_codes = mma_async_codes(d.groups, static_cast<int>(d.num_codebooks),
+                                           idx.data_ptr());
+  const bool async_cb = reinterpret_cast<uintptr_t>(cb.data_ptr()) % 16 == 0;
   auto bits = [](const void* p) { return reinterpret_cast<const uint16_t*>(p); };
-  auto run = [&](auto nt_tag, auto m_tag) {
+  const size_t smem = mma_smem(d, shape);
+  auto run = [&](auto nt_tag, auto m_tag, auto rt_tag, auto warps_tag) {
     constexpr int NT = decltype(nt_tag)::value, M = decltype(m_tag)::value;
-    const size_t smem = mma_forward_smem(M, d.num_entries, NT);
-    const dim3 grid(static_cast<unsigned>(ceil_div(d.out_features, kMmaTileRows)));
-    mma_forward_kernel<kind, NT, M><<<grid, kMmaWarps * 32, smem, stream>>>(
+    constexpr int RT = decltype(rt_tag)::value, WARPS = decltype(warps_tag)::value;
+    auto kernel = mma_forward_kernel<kind, NT, M, RT, WARPS>;
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    const dim3 grid(static_cast<unsigned>(ceil_div(d.out_features, kMmaTileRows * RT)));
+    kernel<<<grid, WARPS * 32, smem, stream>>>(
         bits(x2d.data_ptr()), idx.data_ptr<uint8_t>(), bits(cb.data_ptr()), bits(scales),
         bits(bias), reinterpret_cast<uint16_t*>(out2d.data_ptr()), d.rows, d.out_features,
-        d.groups, static_cast<int>(d.num_entries), fast_codes);
+        d.groups, static_cast<int>(d.num_entries), async_codes, async_cb);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   };
   using I1 = std::integral_constant<int, 1>;
   using I2 = std::integral_constant<int, 2>;
-  if (d.rows <= 8) {
-    d.num_codebooks == 1 ? run(I1{}, I1{}) : run(I1{}, I2{});
+  using I4 = std::integral_constant<int, 4>;
+  using I8 = std::integral_constant<int, 8>;
+  using I16 = std::integral_constant<int, 16>;
+  const bool one = d.num_codebooks == 1;
+  if (d.rows <= 8) {  // one n8 tile of x
+    if (shape.row_tiles == 2) {
+      one ? run(I1{}, I1{}, I2{}, I16{}) : run(I1{}, I2{}, I2{}, I16{});
+    } else {
+      one ? run(I1{}, I1{}, I4{}, I16{}) : run(I1{}, I2{}, I4{}, I16{});
+    }
   } else {
-    d.num_codebooks == 1 ? run(I2{}, I1{}) : run(I2{}, I2{});
+    if (shape.row_tiles == 2) {
+      one ? run(I2{}, I1{}, I2{}, I16{}) : run(I2{}, I2{}, I2{}, I16{});
+    } else {
+      one ? run(I2{}, I1{}, I4{}, I8{}) : run(I2{}, I2{}, I4{}, I8{});
+    }
   }
 }
 
