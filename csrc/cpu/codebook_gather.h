@@ -194,18 +194,127 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
 // Group chunks of the gather backward: each owns its dx columns and one dC partial. The count
 // depends on the shape alone (deterministic); partials are capped at 64 MiB in all.
 inline int64_t gather_backward_chunks(const Dims& d, int64_t acc_size, bool want_dc) {
-  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(8, ceil_div(d.groups, 16)));
+  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(4, ceil_div(d.groups, 16)));
   if (!want_dc) return std::max<int64_t>(1, std::min<int64_t>(d.groups, 64));
   const int64_t med_bytes = d.num_codebooks * d.num_entries * d.entry_dim * acc_size;
   const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(med_bytes, 1));
   return std::min(by_groups, by_memory);
 }
 
+// Codes of groups [g0, g1) transposed to ct[(g - g0) * M + m][j] (one sequential stream per
+// (group, codebook) for the column loops of the backward).
+inline void transpose_codes(const Dims& d, const uint16_t* idx, int64_t g0, int64_t g1,
+                            uint16_t* ct) {
+  const int64_t N = d.out_features, steps = d.groups * d.num_codebooks;
+  const int64_t s0 = g0 * d.num_codebooks, width = (g1 - g0) * d.num_codebooks;
+  for (int64_t j = 0; j < N; ++j) {
+    const uint16_t* row = idx + j * steps + s0;
+    for (int64_t s = 0; s < width; ++s) ct[s * N + j] = row[s];
+  }
+}
+
+inline constexpr int64_t kBackwardGroupsPerBlock = 16;  // groups transposed at a time
+
+// The backward for one group chunk [g0, g1) and one tile of BT batch rows (compile-time D):
+// per group g, with x's BT group vectors held fixed, every output row j adds
+//   dx[b, g] += gs[b, j] * C[m, I[j,g,m]]             (BT accumulators over the chunk's rows)
+//   part[m, I[j,g,m]] += sum_b gs[b, j] * x[b, g]     (one read-modify-write per code)
+// sharing the BT broadcasts of gs[b, j]. gsT is [N][BT] (zero past the batch), xt [BT][K]
+// (zero rows past the batch), dxt [BT][width] of the chunk's columns (or null).
+template <typename acc_t, int D, int BT, bool WantDx, bool WantDc>
+void gather_backward_tile(const Dims& d, const acc_t* gsT, const acc_t* xt, const uint16_t* ct,
+                          int64_t g0, int64_t g1, int64_t gb0, const acc_t* cb, acc_t* dxt,
+                          int64_t width, acc_t* part, BadIndex& bad) {
+  using V = typename EntryVec<acc_t, D>::type;
+  const int64_t N = d.out_features, K = d.in_features, M = d.num_codebooks, E = d.num_entries;
+  for (int64_t g = g0; g < g1; ++g) {
+    V xg[BT];
+    RLX_UNROLL
+    for (int b = 0; b < BT; ++b) std::memcpy(&xg[b], xt + b * K + g * D, sizeof(V));
+    V acc[BT] = {};
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* cm = ct + ((g - gb0) * M + m) * N;
+      const acc_t* cbm = cb + m * E * D;
+      acc_t* pm = WantDc ? part + m * E * D : nullptr;
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t e = cm[j];
+        if (e >= E) {
+          bad.report(e);
+          continue;
+        }
+        const acc_t* gj = gsT + j * BT;
+        V c, v0 = {}, v1 = {};
+        if (WantDx) std::memcpy(&c, cbm + e * D, sizeof(V));
+        RLX_UNROLL
+        for (int b = 0; b < BT; ++b) {
+          const acc_t gv = gj[b];
+          if (WantDx) acc[b] += gv * c;
+          if (WantDc) (b % 2 ? v1 : v0) += gv * xg[b];
+        }
+        if (WantDc) {
+          V p;
+          std::memcpy(&p, pm + e * D, sizeof(V));
+          p += v0 + v1;
+          std::memcpy(pm + e * D, &p, sizeof(V));
+        }
+      }
+    }
+    if (WantDx) {
+      RLX_UNROLL
+      for (int b = 0; b < BT; ++b) std::memcpy(dxt + b * width + (g - g0) * D, &acc[b], sizeof(V));
+    }
+  }
+}
+
 // dx (optional, [B, K] acc_t) and dC partials (optional, [chunks][M*E*D] acc_t, zeroed) for
-// B <= kMaxGatherBatch rows. gs [B, N] = dout * s, x_acc [B, K], cb [M, E, D], all acc_t.
+// B <= kMaxGatherBatch rows, with compile-time D and batch tiles of BT rows. gs [B, N] =
+// dout * s, x_acc [B, K], cb [M, E, D], all acc_t. Each chunk sums its dx columns and its
+// partial over rows j in order, batch tile after batch tile: fixed for a given shape.
+template <typename acc_t, int D, int BT, bool WantDx, bool WantDc>
+void gather_backward_fixed(const Dims& d, const acc_t* gs, const acc_t* x_acc,
+                           const uint16_t* idx, const acc_t* cb, acc_t* dx, acc_t* dc_parts,
+                           int64_t chunks, BadIndex& bad) {
+  const int64_t B = d.rows, N = d.out_features, K = d.in_features, G = d.groups;
+  const int64_t M = d.num_codebooks, MED = M * d.num_entries * D;
+  const int64_t tiles = ceil_div(B, BT), per_chunk = ceil_div(G, chunks);
+  // gsT[tile][j][b] and xt[tile][b][k], zero past the batch.
+  std::vector<acc_t> gsT(tiles * N * BT, acc_t(0)), xt(tiles * BT * K, acc_t(0));
+  for (int64_t b = 0; b < B; ++b) {
+    acc_t* dst = gsT.data() + (b / BT) * N * BT + b % BT;
+    for (int64_t j = 0; j < N; ++j) dst[j * BT] = gs[b * N + j];
+  }
+  std::copy_n(x_acc, B * K, xt.data());
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> dxl;
+    std::vector<uint16_t> ct(kBackwardGroupsPerBlock * M * N);
+    for (int64_t ch = begin; ch < end; ++ch) {
+      const int64_t g0 = ch * per_chunk, g1 = std::min(G, g0 + per_chunk);
+      if (g0 >= g1) continue;
+      const int64_t width = (g1 - g0) * D;
+      if (WantDx) dxl.assign(tiles * BT * width, acc_t(0));
+      acc_t* part = WantDc ? dc_parts + ch * MED : nullptr;
+      for (int64_t gb = g0; gb < g1; gb += kBackwardGroupsPerBlock) {
+        const int64_t ge = std::min(g1, gb + kBackwardGroupsPerBlock);
+        transpose_codes(d, idx, gb, ge, ct.data());
+        for (int64_t t = 0; t < tiles; ++t) {
+          acc_t* dxt = WantDx ? dxl.data() + t * BT * width + (gb - g0) * D : nullptr;
+          gather_backward_tile<acc_t, D, BT, WantDx, WantDc>(
+              d, gsT.data() + t * N * BT, xt.data() + t * BT * K, ct.data(), gb, ge, gb, cb, dxt,
+              width, part, bad);
+        }
+      }
+      if (WantDx)
+        for (int64_t b = 0; b < B; ++b)
+          std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
+    }
+  });
+}
+
+// The same for any D and acc_t (scalar loops).
 template <typename acc_t>
-void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
-                     const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks, BadIndex& bad) {
+void gather_backward_any(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
+                         const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks,
+                         BadIndex& bad) {
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
   const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
   const int64_t per_chunk = ceil_div(G, chunks);
@@ -254,6 +363,46 @@ void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const u
           std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
     }
   });
+}
+
+// dx (optional, [B, K] acc_t) and dC partials (optional, [chunks][M*E*D] acc_t, zeroed) for
+// B <= kMaxGatherBatch rows. gs [B, N] = dout * s, x_acc [B, K], cb [M, E, D], all acc_t.
+template <typename acc_t>
+void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
+                     const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks, BadIndex& bad) {
+  if (d.rows == 0 || d.out_features == 0 || d.groups == 0 || (!dx && !dc_parts)) return;
+  using std::integral_constant;
+  // Batch tiles of 8 rows keep BT accumulators, BT x vectors and the two partial sums in
+  // registers at D = 8 (16 rows would spill); fewer rows take a smaller tile.
+  const auto run = [&](auto dd) {
+    constexpr int DD = decltype(dd)::value;
+    const auto with_bt = [&](auto bt) {
+      constexpr int BT = decltype(bt)::value;
+      if (dx && dc_parts)
+        gather_backward_fixed<acc_t, DD, BT, true, true>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                         chunks, bad);
+      else if (dx)
+        gather_backward_fixed<acc_t, DD, BT, true, false>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                          chunks, bad);
+      else
+        gather_backward_fixed<acc_t, DD, BT, false, true>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                          chunks, bad);
+    };
+    if (d.rows == 1) {
+      with_bt(integral_constant<int, 1>{});
+    } else if (d.rows <= 4) {
+      with_bt(integral_constant<int, 4>{});
+    } else {
+      with_bt(integral_constant<int, 8>{});
+    }
+  };
+  if (std::is_same<acc_t, float>::value && d.entry_dim == 8) {
+    run(integral_constant<int, 8>{});
+  } else if (std::is_same<acc_t, float>::value && d.entry_dim == 4) {
+    run(integral_constant<int, 4>{});
+  } else {
+    gather_backward_any<acc_t>(d, gs, x_acc, idx, cb, dx, dc_parts, chunks, bad);
+  }
 }
 
 // Raises unless every index is < E (16-bit indices, before the dense path reads them).
