@@ -247,3 +247,90 @@ def test_backward_non_contiguous_and_stride0_inputs():
         want_dx, want_dc = reference_backward(g, x_nc, idx, cb, s)
         torch.testing.assert_close(dx.double(), want_dx, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(dc.double(), want_dc, atol=1e-4, rtol=1e-4)
+
+
+# float32 x with a float16/bfloat16 codebook (AQLM's checkpoints): rows 1-16 read the half
+# entries in the gather kernels (D = 8) or convert them (other D); 40 rows take the dense path.
+@pytest.mark.parametrize("cb_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows,n,groups,d,e,m", [(1, 37, 5, 8, 65536, 1), (2, 19, 7, 8, 300, 2),
+                                                 (5, 33, 4, 8, 65536, 1), (16, 21, 6, 8, 40000, 1),
+                                                 (3, 9, 3, 4, 1000, 1), (40, 17, 6, 8, 5000, 1),
+                                                 ((2, 3), 11, 4, 8, 65536, 1)])
+def test_half_codebook_with_float32_x(cb_dtype, rows, n, groups, d, e, m):
+    x, idx, cb, s, b = make(rows, n, groups, d, e, m, seed=n * groups)
+    cb = cb.to(cb_dtype)
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    assert out.dtype == torch.float32
+    # The half entries are exact in float64: the only error left is float32 accumulation.
+    torch.testing.assert_close(out.double(), reference(x, idx, cb, s, b), atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(out, rlx_torch.codebook_matmul(x, idx, cb.float(), s, b),
+                               atol=2e-6, rtol=2e-6)
+    leaves = [t.clone().requires_grad_() for t in (x, cb, s, b)]
+    grad_out = torch.randn(out.shape)
+    got = torch.autograd.grad(rlx_torch.codebook_matmul(leaves[0], idx, *leaves[1:]), leaves,
+                              grad_out)
+    up = [t.detach().double().requires_grad_() for t in leaves]
+    want = torch.autograd.grad(reference(up[0], idx, *up[1:]), up, grad_out.double())
+    tols = {"codebook": 1e-2 if cb_dtype == torch.bfloat16 else 2e-3}
+    for name, g, w, leaf in zip(["x", "codebook", "scales", "bias"], got, want, leaves,
+                                strict=True):
+        assert g.dtype == leaf.dtype and g.shape == w.shape, name
+        scale = w.abs().max().clamp_min(1)
+        tol = tols.get(name, 2e-5)
+        torch.testing.assert_close(g.double() / scale, w / scale, atol=tol, rtol=tol, msg=name)
+
+
+def test_half_codebook_opcheck_and_empty_batch():
+    x, idx, cb, s, b = make(3, 9, 3, d=8, e=700)
+    for c in (cb.half(), cb.bfloat16()):
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul.default, (x, idx, c, s, b))
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul_backward.default,
+                              (torch.randn(3, 9), x, idx, c, s, [True] * 4))
+        dx, dc, _, _ = torch.ops.rlx.codebook_matmul_backward(
+            torch.randn(0, 9), x[:0], idx, c, s, [True, True, False, False])
+        assert dx.shape == (0, 24) and dc.dtype == c.dtype and not dc.any()
+        assert rlx_torch.codebook_matmul(x[:0], idx, c, s, b).shape == (0, 9)
+
+
+def test_half_codebook_out_of_range_index_raises():
+    x, idx, cb, s, b = make(1, 9, 4, e=1000)
+    idx[3, 1] = 1000
+    for c in (cb.half(), cb.bfloat16()):
+        with pytest.raises(ValueError, match="indices must be < E=1000"):
+            rlx_torch.codebook_matmul(x, idx, c, s, b)
+
+
+@pytest.mark.parametrize("x_dtype,cb_dtype,index_dtype", [
+    (torch.float64, torch.float16, torch.int16),    # only float32 x takes a half codebook
+    (torch.float16, torch.bfloat16, torch.int16),
+    (torch.float32, torch.float16, torch.uint8),    # only 16-bit indices
+])
+def test_half_codebook_bad_dtypes(x_dtype, cb_dtype, index_dtype):
+    x, idx, cb, s, b = make(2, 10, 4, e=200)
+    x, s, b, cb = x.to(x_dtype), s.to(x_dtype), b.to(x_dtype), cb.to(cb_dtype)
+    if index_dtype == torch.uint8:
+        idx = idx.to(torch.uint8)
+    for device in ("cpu", "meta"):
+        args = [t.to(device) for t in (x, idx, cb, s, b)]
+        with pytest.raises(ValueError, match="codebook must have x's dtype"):
+            torch.ops.rlx.codebook_matmul(*args)
+
+
+def test_half_codebook_forward_ad_and_double_backward():
+    x, idx, cb, s, _ = make(2, 13, 5, e=65536)
+    cb = cb.half()
+    tc = torch.randn_like(cb, dtype=torch.float32).half()
+    _, tangent = torch.func.jvp(lambda c: rlx_torch.codebook_matmul(x, idx, c, s), (cb,), (tc,))
+    torch.testing.assert_close(tangent.double(), reference(x, idx, tc, s), atol=2e-5, rtol=2e-5)
+    xr = x.clone().requires_grad_()
+    cr = cb.clone().requires_grad_()
+    (gx,) = torch.autograd.grad(rlx_torch.codebook_matmul(xr, idx, cr, s).square().sum(), xr,
+                                create_graph=True)
+    (gc,) = torch.autograd.grad(gx.sum(), cr)
+    xd = x.double().requires_grad_()
+    cd = cb.double().requires_grad_()
+    (gxd,) = torch.autograd.grad(reference(xd, idx, cd, s).square().sum(), xd, create_graph=True)
+    (gcd,) = torch.autograd.grad(gxd.sum(), cd)
+    assert gc.dtype == torch.float16
+    scale = gcd.abs().max()
+    torch.testing.assert_close(gc.double() / scale, gcd / scale, atol=3e-3, rtol=3e-3)

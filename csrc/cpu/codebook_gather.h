@@ -130,17 +130,14 @@ void gather_rows_any(const Dims& d, const acc_t* xt, int64_t nb, const uint16_t*
   }
 }
 
-// raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] for all B <= kMaxGatherBatch rows; x_acc
-// [B, K] and cb [M, E, D] contiguous in acc_t, raw [B, N].
-template <typename acc_t>
-void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, const acc_t* cb,
-                    acc_t* raw, BadIndex& bad) {
-  const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
-  if (B == 0 || N == 0) return;
-  // Batch tiles of BT rows (zero padded), then output-row blocks in parallel.
-  // Tile sizes come in as std::integral_constant (C++17: no template lambdas).
-  const auto run = [&](auto dd, auto bt, auto jt) {
-    constexpr int DD = decltype(dd)::value, BT = decltype(bt)::value, JT = decltype(jt)::value;
+// Batch tiles of BT rows (zero padded), then output-row blocks in parallel: calls
+// rows(bt, jt, xt, j0, j1, dst) with bt, jt std::integral_constant tile sizes (C++17: no
+// template lambdas), xt [BT][K] and dst the tile's [BT][N] output (row stride N).
+template <typename acc_t, typename Rows>
+void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const Rows& rows) {
+  const int64_t B = d.rows, N = d.out_features, K = d.in_features;
+  const auto run = [&](auto bt, auto jt) {
+    constexpr int BT = decltype(bt)::value;
     std::vector<acc_t> pad;
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = std::min<int64_t>(BT, B - b0);
@@ -155,24 +152,39 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
       at::parallel_for(0, ceil_div(N, kGatherRowsPerItem), 1, [&](int64_t begin, int64_t end) {
         for (int64_t it = begin; it < end; ++it) {
           const int64_t j0 = it * kGatherRowsPerItem;
-          const int64_t j1 = std::min(N, j0 + kGatherRowsPerItem);
-          gather_rows_fixed<acc_t, DD, BT, JT>(d, xt, idx, cb, j0, j1, dst, N, bad);
+          rows(bt, jt, xt, j0, std::min(N, j0 + kGatherRowsPerItem), dst);
         }
       });
       if (nb < BT) std::copy_n(tile.data(), nb * N, raw + b0 * N);
     }
   };
   using std::integral_constant;
+  if (B == 1) {
+    run(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+  } else if (B == 2) {
+    run(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  } else if (B <= 4) {
+    run(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+  } else {
+    run(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  }
+}
+
+// raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] for all B <= kMaxGatherBatch rows; x_acc
+// [B, K] and cb [M, E, D] contiguous in acc_t, raw [B, N].
+template <typename acc_t>
+void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, const acc_t* cb,
+                    acc_t* raw, BadIndex& bad) {
+  const int64_t B = d.rows, N = d.out_features, D = d.entry_dim;
+  if (B == 0 || N == 0) return;
+  using std::integral_constant;
   const auto by_batch = [&](auto dd) {
-    if (B == 1) {
-      run(dd, integral_constant<int, 1>{}, integral_constant<int, 8>{});
-    } else if (B == 2) {
-      run(dd, integral_constant<int, 2>{}, integral_constant<int, 4>{});
-    } else if (B <= 4) {
-      run(dd, integral_constant<int, 4>{}, integral_constant<int, 2>{});
-    } else {
-      run(dd, integral_constant<int, 8>{}, integral_constant<int, 1>{});
-    }
+    constexpr int DD = decltype(dd)::value;
+    gather_tiles(d, x_acc, raw, [&](auto bt, auto jt, const acc_t* xt, int64_t j0, int64_t j1,
+                                    acc_t* dst) {
+      gather_rows_fixed<acc_t, DD, decltype(bt)::value, decltype(jt)::value>(d, xt, idx, cb, j0,
+                                                                              j1, dst, N, bad);
+    });
   };
   if (D == 8) {
     by_batch(integral_constant<int, 8>{});
