@@ -94,6 +94,7 @@ at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_
   if (d.rows == 0 || d.out_features == 0) return raw;
   const auto cb = codebook.contiguous();
   const auto* c = static_cast<const uint16_t*>(cb.const_data_ptr());
+  warm_codebook(c, d.num_codebooks * d.num_entries * 8 * 2);
   BadIndex bad;
   gather_tiles(d, x_acc.const_data_ptr<float>(), raw.data_ptr<float>(),
                [&](auto bt, auto jt, const float* xt, int64_t j0, int64_t j1, float* dst) {
