@@ -141,6 +141,18 @@ inline void warm_codebook(const void* table, int64_t bytes) {
   asm volatile("" : : "r"(acc));
 }
 
+// f(item) for item in [0, items) on the intra-op threads, each item claimed by whichever
+// thread is free: a thread that starts late (a busy machine) finds the items done instead of
+// holding the others up with a static share. Each item writes only its own outputs, so the
+// result does not depend on who ran it.
+template <typename F>
+void for_each_item(int64_t items, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) f(it);
+  });
+}
+
 // Batch tiles of BT rows (zero padded), then output-row blocks in parallel: calls
 // rows(bt, jt, xt, j0, j1, dst) with bt, jt std::integral_constant tile sizes (C++17: no
 // template lambdas), xt [BT][K] and dst the tile's [BT][N] output (row stride N).
@@ -160,11 +172,9 @@ void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const Rows& row
       }
       std::vector<acc_t> tile(nb < BT ? BT * N : 0);
       acc_t* dst = nb < BT ? tile.data() : raw + b0 * N;
-      at::parallel_for(0, ceil_div(N, kGatherRowsPerItem), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t it = begin; it < end; ++it) {
-          const int64_t j0 = it * kGatherRowsPerItem;
-          rows(bt, jt, xt, j0, std::min(N, j0 + kGatherRowsPerItem), dst);
-        }
+      for_each_item(ceil_div(N, kGatherRowsPerItem), [&](int64_t it) {
+        const int64_t j0 = it * kGatherRowsPerItem;
+        rows(bt, jt, xt, j0, std::min(N, j0 + kGatherRowsPerItem), dst);
       });
       if (nb < BT) std::copy_n(tile.data(), nb * N, raw + b0 * N);
     }
@@ -308,29 +318,27 @@ void gather_backward_fixed(const Dims& d, const acc_t* gs, const acc_t* x_acc,
     for (int64_t j = 0; j < N; ++j) dst[j * BT] = gs[b * N + j];
   }
   std::copy_n(x_acc, B * K, xt.data());
-  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+  for_each_item(chunks, [&](int64_t ch) {
     std::vector<acc_t> dxl;
     std::vector<uint16_t> ct(kBackwardGroupsPerBlock * M * N);
-    for (int64_t ch = begin; ch < end; ++ch) {
-      const int64_t g0 = ch * per_chunk, g1 = std::min(G, g0 + per_chunk);
-      if (g0 >= g1) continue;
-      const int64_t width = (g1 - g0) * D;
-      if (WantDx) dxl.assign(tiles * BT * width, acc_t(0));
-      acc_t* part = WantDc ? dc_parts + ch * MED : nullptr;
-      for (int64_t gb = g0; gb < g1; gb += kBackwardGroupsPerBlock) {
-        const int64_t ge = std::min(g1, gb + kBackwardGroupsPerBlock);
-        transpose_codes(d, idx, gb, ge, ct.data());
-        for (int64_t t = 0; t < tiles; ++t) {
-          acc_t* dxt = WantDx ? dxl.data() + t * BT * width + (gb - g0) * D : nullptr;
-          gather_backward_tile<acc_t, D, BT, WantDx, WantDc>(
-              d, gsT.data() + t * N * BT, xt.data() + t * BT * K, ct.data(), gb, ge, gb, cb, dxt,
-              width, part, bad);
-        }
+    const int64_t g0 = ch * per_chunk, g1 = std::min(G, g0 + per_chunk);
+    if (g0 >= g1) return;
+    const int64_t width = (g1 - g0) * D;
+    if (WantDx) dxl.assign(tiles * BT * width, acc_t(0));
+    acc_t* part = WantDc ? dc_parts + ch * MED : nullptr;
+    for (int64_t gb = g0; gb < g1; gb += kBackwardGroupsPerBlock) {
+      const int64_t ge = std::min(g1, gb + kBackwardGroupsPerBlock);
+      transpose_codes(d, idx, gb, ge, ct.data());
+      for (int64_t t = 0; t < tiles; ++t) {
+        acc_t* dxt = WantDx ? dxl.data() + t * BT * width + (gb - g0) * D : nullptr;
+        gather_backward_tile<acc_t, D, BT, WantDx, WantDc>(
+            d, gsT.data() + t * N * BT, xt.data() + t * BT * K, ct.data(), gb, ge, gb, cb, dxt,
+            width, part, bad);
       }
-      if (WantDx)
-        for (int64_t b = 0; b < B; ++b)
-          std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
     }
+    if (WantDx)
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
   });
 }
 
