@@ -4,9 +4,11 @@
 //   forward   out[b, j]      = s_j * sum_{g,m} x[b, g*D:(g+1)*D] . C[m, I[j,g,m]] + bias_j
 //   backward  dx[b, g*D + t] = sum_j gs[b, j] sum_m C[m, I[j,g,m], t]        (gs = dout * s)
 //             dC[m, c, t]    = sum_{(j,g): I[j,g,m] = c} sum_b gs[b, j] x[b, g*D + t]
-// Each output row j reads its own codes and the entries they select (a D = 8 float entry is
-// one 32-byte load); the codebook (2 MiB in float for 65536 x 8) stays in the caches. Large
-// batches use the dense path of codebook_lut.h instead (dequantized tiles + GEMM).
+// Forward: each output row j reads its own codes and the entries they select (a D = 8 float
+// entry is one 32-byte load; a float16/bfloat16 codebook is read as it is, 16 bytes an entry,
+// by codebook_gather.cpp). Backward: per group, each row's code adds into dx accumulators and
+// one dC partial, sharing the broadcasts of gs. Large batches use the dense path of
+// codebook_lut.h instead (dequantized tiles + GEMM).
 //
 // Determinism: out and dx elements are each summed by one work item in a fixed order; dC is
 // summed per fixed group chunk (a partial codebook each, the chunk count derived from the
