@@ -12,7 +12,9 @@ of process CPU time. Prints the CPU (model, ISA features) first and one JSON lin
     python benchmarks/bench_codebook.py --device cuda [...]   (benchmarks/bench_codebook_cuda.py)
 
 E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes stored as AQLM does
-(values >= 2**15 wrapped negative), which take the gather kernels.
+(values >= 2**15 wrapped negative), which take the gather kernels, and the forward is timed a
+second time with the codebook in float16 (AQLM's dtype, read as it is by the kernel) against
+the dense float32 weight built from the same float16 entries.
 """
 
 import argparse
@@ -73,6 +75,9 @@ def main():
         indices = (codes - 65536 * (codes >= 32768)).to(torch.int16)
     codebook = torch.randn(e, d) / k**0.5
     weight = F.embedding(codes, codebook).reshape(n, k).contiguous()
+    if e > 256:
+        codebook16 = codebook.half()
+        weight16 = F.embedding(codes, codebook16.float()).reshape(n, k).contiguous()
     print(
         f"codebook_matmul N=K={n} D={d} E={e} M=1 codebook, threads={torch.get_num_threads()}, "
         f"indices {indices.dtype}, torch {torch.__version__}, {platform.machine()}"
@@ -91,6 +96,19 @@ def main():
             args.repeat,
         )
         entry = {"forward_vs_dense": summarize("forward vs dense x @ W.T", *fwd)}
+        if e > 256:
+            # AQLM's float16 codebook, read as it is, against the dense float32 weight built
+            # from the same (float16-rounded) entries.
+            fwd16 = paired_times(
+                [
+                    lambda x=x: x @ weight16.T,
+                    lambda x=x: torch.ops.rlx.codebook_matmul(x, indices, codebook16, None, None),
+                ],
+                args.repeat,
+            )
+            entry["forward_fp16_codebook_vs_dense"] = summarize(
+                "fp16 codebook vs dense x @ W.T", *fwd16
+            )
 
         x_req = x.clone().requires_grad_()
         cb_req = codebook.clone().requires_grad_()

@@ -6,6 +6,11 @@
 
 #include "codebook_gather.h"
 
+#if defined(__x86_64__) && defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define RLX_HALF_GATHER 1
+#endif
+
 namespace rlx::codebook::cpu {
 namespace {
 
@@ -16,6 +21,94 @@ at::ScalarType acc_type_of(const at::Tensor& x) {
 const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
   // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
   return static_cast<const uint16_t*>(contiguous_indices.const_data_ptr());
+}
+
+#ifdef RLX_HALF_GATHER
+// gather_rows_fixed for a float16 or bfloat16 codebook with D = 8: each entry is one 16-byte
+// load widened to float32 in registers (exact: vcvtph2ps, or a 16-bit shift for bfloat16), so
+// the random entry reads cover a table half the size of a float32 copy. Same tiles, same
+// per-row summation order as the float32 kernel.
+template <bool Bf16, int BT, int JT>
+__attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
+    const Dims& d, const float* xt, const uint16_t* idx, const uint16_t* cb, int64_t j0,
+    int64_t j1, float* raw, int64_t raw_stride, BadIndex& bad) {
+  const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, K = d.in_features;
+  const int64_t steps = G * M;
+  for (int64_t j = j0; j < j1; j += JT) {
+    const int64_t nj = std::min<int64_t>(JT, j1 - j);
+    __m256 acc[JT][BT];
+    RLX_UNROLL
+    for (int q = 0; q < JT; ++q) {
+      RLX_UNROLL
+      for (int b = 0; b < BT; ++b) acc[q][b] = _mm256_setzero_ps();
+    }
+    const uint16_t* rows[JT];
+    RLX_UNROLL
+    for (int q = 0; q < JT; ++q) rows[q] = idx + std::min<int64_t>(j + q, j1 - 1) * steps;
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 xv[BT];
+      RLX_UNROLL
+      for (int b = 0; b < BT; ++b) xv[b] = _mm256_loadu_ps(xt + b * K + g * 8);
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* cbm = cb + m * E * 8;
+        RLX_UNROLL
+        for (int q = 0; q < JT; ++q) {
+          // Rows past j1 repeat the last row (always in bounds) and are not written.
+          const int64_t e = rows[q][g * M + m];
+          if (e >= E) {
+            bad.report(e);
+            continue;
+          }
+          const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cbm + e * 8));
+          const __m256 c = Bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+                                : _mm256_cvtph_ps(h);
+          RLX_UNROLL
+          for (int b = 0; b < BT; ++b) acc[q][b] = _mm256_fmadd_ps(c, xv[b], acc[q][b]);
+        }
+      }
+    }
+    for (int q = 0; q < nj; ++q)
+      for (int b = 0; b < BT; ++b) {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[q][b]);
+        float s = 0;
+        for (int t = 0; t < 8; ++t) s += lanes[t];
+        raw[b * raw_stride + j + q] = s;
+      }
+  }
+}
+#endif
+
+// raw for a float16/bfloat16 codebook read as it is (D = 8, float accumulation, the gather
+// path's batch sizes, a CPU with F16C for float16); otherwise an undefined tensor, and the
+// caller converts the codebook.
+at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_t* ip,
+                           const at::Tensor& codebook) {
+#ifdef RLX_HALF_GATHER
+  const at::ScalarType ct = codebook.scalar_type();
+  const bool bf16 = ct == at::kBFloat16;
+  if (x_acc.scalar_type() != at::kFloat || (ct != at::kHalf && !bf16) || d.entry_dim != 8 ||
+      use_gather_dense(d) || (!bf16 && !__builtin_cpu_supports("f16c")))
+    return {};
+  auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
+  if (d.rows == 0 || d.out_features == 0) return raw;
+  const auto cb = codebook.contiguous();
+  const auto* c = static_cast<const uint16_t*>(cb.const_data_ptr());
+  warm_codebook(c, d.num_codebooks * d.num_entries * 8 * 2);
+  BadIndex bad;
+  gather_tiles(d, x_acc.const_data_ptr<float>(), raw.data_ptr<float>(),
+               [&](auto bt, auto jt, const float* xt, int64_t j0, int64_t j1, float* dst) {
+                 constexpr int BT = decltype(bt)::value, JT = decltype(jt)::value;
+                 if (bf16)
+                   gather_rows_half8<true, BT, JT>(d, xt, ip, c, j0, j1, dst, d.out_features, bad);
+                 else
+                   gather_rows_half8<false, BT, JT>(d, xt, ip, c, j0, j1, dst, d.out_features, bad);
+               });
+  bad.raise_if_any(d);
+  return raw;
+#else
+  return {};
+#endif
 }
 
 // raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] in acc_t ([B, N], unscaled, no bias).
@@ -46,8 +139,11 @@ at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
   auto idx = indices.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
     using acc_t = typename AccType<scalar_t>::type;
-    const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/false);
-    at::Tensor raw = gather_raw<acc_t>(d, x_acc, u16_data(idx), idx, C);
+    at::Tensor raw = gather_raw_half(d, x_acc, u16_data(idx), codebook);
+    if (!raw.defined()) {
+      const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/false);
+      raw = gather_raw<acc_t>(d, x_acc, u16_data(idx), idx, C);
+    }
     if (scales.has_value()) raw = raw * scales->to(acc);
     if (bias.has_value()) raw = raw + bias->to(acc);
     out.view({d.rows, d.out_features}).copy_(raw);
@@ -69,9 +165,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   if (mask[3]) db = g_acc.sum(0).to(x.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
     using acc_t = typename AccType<scalar_t>::type;
-    const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/false);
-    if (mask[2]) ds = (g_acc * gather_raw<acc_t>(d, x_acc, ip, idx, C)).sum(0).to(x.scalar_type());
+    if (mask[2]) {
+      at::Tensor raw = gather_raw_half(d, x_acc, ip, codebook);
+      if (!raw.defined())
+        raw = gather_raw<acc_t>(d, x_acc, ip, idx, CodebookAcc<acc_t>(codebook, d, false));
+      ds = (g_acc * raw).sum(0).to(x.scalar_type());
+    }
     if (!mask[0] && !mask[1]) return;
+    const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/false);
     const at::Tensor gs = scales.has_value() ? (g_acc * scales->to(acc)).contiguous() : g_acc;
     const int64_t med = d.num_codebooks * d.num_entries * d.entry_dim;
     at::Tensor parts, dx_acc;
@@ -97,7 +198,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
       // Fixed-order reduction of the chunk partials.
       at::Tensor total = at::zeros({med}, at::dtype(acc));
       for (int64_t p = 0; p < parts.size(0); ++p) total.add_(parts[p]);
-      dC = total.view(codebook.sizes()).to(x.scalar_type());
+      dC = total.view(codebook.sizes()).to(codebook.scalar_type());
     }
   });
   return {dx, dC, ds, db};

@@ -4,9 +4,11 @@
 //   forward   out[b, j]      = s_j * sum_{g,m} x[b, g*D:(g+1)*D] . C[m, I[j,g,m]] + bias_j
 //   backward  dx[b, g*D + t] = sum_j gs[b, j] sum_m C[m, I[j,g,m], t]        (gs = dout * s)
 //             dC[m, c, t]    = sum_{(j,g): I[j,g,m] = c} sum_b gs[b, j] x[b, g*D + t]
-// Each output row j reads its own codes and the entries they select (a D = 8 float entry is
-// one 32-byte load); the codebook (2 MiB in float for 65536 x 8) stays in the caches. Large
-// batches use the dense path of codebook_lut.h instead (dequantized tiles + GEMM).
+// Forward: each output row j reads its own codes and the entries they select (a D = 8 float
+// entry is one 32-byte load; a float16/bfloat16 codebook is read as it is, 16 bytes an entry,
+// by codebook_gather.cpp). Backward: per group, each row's code adds into dx accumulators and
+// one dC partial, sharing the broadcasts of gs. Large batches use the dense path of
+// codebook_lut.h instead (dequantized tiles + GEMM).
 //
 // Determinism: out and dx elements are each summed by one work item in a fixed order; dC is
 // summed per fixed group chunk (a partial codebook each, the chunk count derived from the
@@ -130,17 +132,37 @@ void gather_rows_any(const Dims& d, const acc_t* xt, int64_t nb, const uint16_t*
   }
 }
 
-// raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] for all B <= kMaxGatherBatch rows; x_acc
-// [B, K] and cb [M, E, D] contiguous in acc_t, raw [B, N].
-template <typename acc_t>
-void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, const acc_t* cb,
-                    acc_t* raw, BadIndex& bad) {
-  const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
-  if (B == 0 || N == 0) return;
-  // Batch tiles of BT rows (zero padded), then output-row blocks in parallel.
-  // Tile sizes come in as std::integral_constant (C++17: no template lambdas).
-  const auto run = [&](auto dd, auto bt, auto jt) {
-    constexpr int DD = decltype(dd)::value, BT = decltype(bt)::value, JT = decltype(jt)::value;
+// Reads the codebook once, line by line, in order, before the gathers. After other work (a
+// layer's dense product, another layer's codebook) its lines come from DRAM; a sequential
+// pass, which the hardware prefetcher streams, costs less than fetching each line on first
+// use at the random reads' latency (and a little more than nothing when it is still cached).
+inline void warm_codebook(const void* table, int64_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(table);
+  unsigned acc = 0;
+  for (int64_t i = 0; i < bytes; i += 64) acc += p[i];
+  asm volatile("" : : "r"(acc));
+}
+
+// f(item) for item in [0, items) on the intra-op threads, each item claimed by whichever
+// thread is free: a thread that starts late (a busy machine) finds the items done instead of
+// holding the others up with a static share. Each item writes only its own outputs, so the
+// result does not depend on who ran it.
+template <typename F>
+void for_each_item(int64_t items, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) f(it);
+  });
+}
+
+// Batch tiles of BT rows (zero padded), then output-row blocks in parallel: calls
+// rows(bt, jt, xt, j0, j1, dst) with bt, jt std::integral_constant tile sizes (C++17: no
+// template lambdas), xt [BT][K] and dst the tile's [BT][N] output (row stride N).
+template <typename acc_t, typename Rows>
+void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const Rows& rows) {
+  const int64_t B = d.rows, N = d.out_features, K = d.in_features;
+  const auto run = [&](auto bt, auto jt) {
+    constexpr int BT = decltype(bt)::value;
     std::vector<acc_t> pad;
     for (int64_t b0 = 0; b0 < B; b0 += BT) {
       const int64_t nb = std::min<int64_t>(BT, B - b0);
@@ -152,27 +174,41 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
       }
       std::vector<acc_t> tile(nb < BT ? BT * N : 0);
       acc_t* dst = nb < BT ? tile.data() : raw + b0 * N;
-      at::parallel_for(0, ceil_div(N, kGatherRowsPerItem), 1, [&](int64_t begin, int64_t end) {
-        for (int64_t it = begin; it < end; ++it) {
-          const int64_t j0 = it * kGatherRowsPerItem;
-          const int64_t j1 = std::min(N, j0 + kGatherRowsPerItem);
-          gather_rows_fixed<acc_t, DD, BT, JT>(d, xt, idx, cb, j0, j1, dst, N, bad);
-        }
+      for_each_item(ceil_div(N, kGatherRowsPerItem), [&](int64_t it) {
+        const int64_t j0 = it * kGatherRowsPerItem;
+        rows(bt, jt, xt, j0, std::min(N, j0 + kGatherRowsPerItem), dst);
       });
       if (nb < BT) std::copy_n(tile.data(), nb * N, raw + b0 * N);
     }
   };
   using std::integral_constant;
+  if (B == 1) {
+    run(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+  } else if (B == 2) {
+    run(integral_constant<int, 2>{}, integral_constant<int, 4>{});
+  } else if (B <= 4) {
+    run(integral_constant<int, 4>{}, integral_constant<int, 2>{});
+  } else {
+    run(integral_constant<int, 8>{}, integral_constant<int, 1>{});
+  }
+}
+
+// raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] for all B <= kMaxGatherBatch rows; x_acc
+// [B, K] and cb [M, E, D] contiguous in acc_t, raw [B, N].
+template <typename acc_t>
+void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, const acc_t* cb,
+                    acc_t* raw, BadIndex& bad) {
+  const int64_t B = d.rows, N = d.out_features, D = d.entry_dim;
+  if (B == 0 || N == 0) return;
+  warm_codebook(cb, d.num_codebooks * d.num_entries * D * int64_t(sizeof(acc_t)));
+  using std::integral_constant;
   const auto by_batch = [&](auto dd) {
-    if (B == 1) {
-      run(dd, integral_constant<int, 1>{}, integral_constant<int, 8>{});
-    } else if (B == 2) {
-      run(dd, integral_constant<int, 2>{}, integral_constant<int, 4>{});
-    } else if (B <= 4) {
-      run(dd, integral_constant<int, 4>{}, integral_constant<int, 2>{});
-    } else {
-      run(dd, integral_constant<int, 8>{}, integral_constant<int, 1>{});
-    }
+    constexpr int DD = decltype(dd)::value;
+    gather_tiles(d, x_acc, raw, [&](auto bt, auto jt, const acc_t* xt, int64_t j0, int64_t j1,
+                                    acc_t* dst) {
+      gather_rows_fixed<acc_t, DD, decltype(bt)::value, decltype(jt)::value>(d, xt, idx, cb, j0,
+                                                                              j1, dst, N, bad);
+    });
   };
   if (D == 8) {
     by_batch(integral_constant<int, 8>{});
@@ -194,18 +230,125 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
 // Group chunks of the gather backward: each owns its dx columns and one dC partial. The count
 // depends on the shape alone (deterministic); partials are capped at 64 MiB in all.
 inline int64_t gather_backward_chunks(const Dims& d, int64_t acc_size, bool want_dc) {
-  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(8, ceil_div(d.groups, 16)));
+  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(4, ceil_div(d.groups, 16)));
   if (!want_dc) return std::max<int64_t>(1, std::min<int64_t>(d.groups, 64));
   const int64_t med_bytes = d.num_codebooks * d.num_entries * d.entry_dim * acc_size;
   const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(med_bytes, 1));
   return std::min(by_groups, by_memory);
 }
 
+// Codes of groups [g0, g1) transposed to ct[(g - g0) * M + m][j] (one sequential stream per
+// (group, codebook) for the column loops of the backward).
+inline void transpose_codes(const Dims& d, const uint16_t* idx, int64_t g0, int64_t g1,
+                            uint16_t* ct) {
+  const int64_t N = d.out_features, steps = d.groups * d.num_codebooks;
+  const int64_t s0 = g0 * d.num_codebooks, width = (g1 - g0) * d.num_codebooks;
+  for (int64_t j = 0; j < N; ++j) {
+    const uint16_t* row = idx + j * steps + s0;
+    for (int64_t s = 0; s < width; ++s) ct[s * N + j] = row[s];
+  }
+}
+
+inline constexpr int64_t kBackwardGroupsPerBlock = 16;  // groups transposed at a time
+
+// The backward for one group chunk [g0, g1) and one tile of BT batch rows (compile-time D):
+// per group g, with x's BT group vectors held fixed, every output row j adds
+//   dx[b, g] += gs[b, j] * C[m, I[j,g,m]]             (BT accumulators over the chunk's rows)
+//   part[m, I[j,g,m]] += sum_b gs[b, j] * x[b, g]     (one read-modify-write per code)
+// sharing the BT broadcasts of gs[b, j]. gsT is [N][BT] (zero past the batch), xt [BT][K]
+// (zero rows past the batch), dxt [BT][width] of the chunk's columns (or null).
+template <typename acc_t, int D, int BT, bool WantDx, bool WantDc>
+void gather_backward_tile(const Dims& d, const acc_t* gsT, const acc_t* xt, const uint16_t* ct,
+                          int64_t g0, int64_t g1, int64_t gb0, const acc_t* cb, acc_t* dxt,
+                          int64_t width, acc_t* part, BadIndex& bad) {
+  using V = typename EntryVec<acc_t, D>::type;
+  const int64_t N = d.out_features, K = d.in_features, M = d.num_codebooks, E = d.num_entries;
+  for (int64_t g = g0; g < g1; ++g) {
+    V xg[BT];
+    RLX_UNROLL
+    for (int b = 0; b < BT; ++b) std::memcpy(&xg[b], xt + b * K + g * D, sizeof(V));
+    V acc[BT] = {};
+    for (int64_t m = 0; m < M; ++m) {
+      const uint16_t* cm = ct + ((g - gb0) * M + m) * N;
+      const acc_t* cbm = cb + m * E * D;
+      acc_t* pm = WantDc ? part + m * E * D : nullptr;
+      for (int64_t j = 0; j < N; ++j) {
+        const int64_t e = cm[j];
+        if (e >= E) {
+          bad.report(e);
+          continue;
+        }
+        const acc_t* gj = gsT + j * BT;
+        V c, v0 = {}, v1 = {};
+        if (WantDx) std::memcpy(&c, cbm + e * D, sizeof(V));
+        RLX_UNROLL
+        for (int b = 0; b < BT; ++b) {
+          const acc_t gv = gj[b];
+          if (WantDx) acc[b] += gv * c;
+          if (WantDc) (b % 2 ? v1 : v0) += gv * xg[b];
+        }
+        if (WantDc) {
+          V p;
+          std::memcpy(&p, pm + e * D, sizeof(V));
+          p += v0 + v1;
+          std::memcpy(pm + e * D, &p, sizeof(V));
+        }
+      }
+    }
+    if (WantDx) {
+      RLX_UNROLL
+      for (int b = 0; b < BT; ++b) std::memcpy(dxt + b * width + (g - g0) * D, &acc[b], sizeof(V));
+    }
+  }
+}
+
 // dx (optional, [B, K] acc_t) and dC partials (optional, [chunks][M*E*D] acc_t, zeroed) for
-// B <= kMaxGatherBatch rows. gs [B, N] = dout * s, x_acc [B, K], cb [M, E, D], all acc_t.
+// B <= kMaxGatherBatch rows, with compile-time D and batch tiles of BT rows. gs [B, N] =
+// dout * s, x_acc [B, K], cb [M, E, D], all acc_t. Each chunk sums its dx columns and its
+// partial over rows j in order, batch tile after batch tile: fixed for a given shape.
+template <typename acc_t, int D, int BT, bool WantDx, bool WantDc>
+void gather_backward_fixed(const Dims& d, const acc_t* gs, const acc_t* x_acc,
+                           const uint16_t* idx, const acc_t* cb, acc_t* dx, acc_t* dc_parts,
+                           int64_t chunks, BadIndex& bad) {
+  const int64_t B = d.rows, N = d.out_features, K = d.in_features, G = d.groups;
+  const int64_t M = d.num_codebooks, MED = M * d.num_entries * D;
+  const int64_t tiles = ceil_div(B, BT), per_chunk = ceil_div(G, chunks);
+  // gsT[tile][j][b] and xt[tile][b][k], zero past the batch.
+  std::vector<acc_t> gsT(tiles * N * BT, acc_t(0)), xt(tiles * BT * K, acc_t(0));
+  for (int64_t b = 0; b < B; ++b) {
+    acc_t* dst = gsT.data() + (b / BT) * N * BT + b % BT;
+    for (int64_t j = 0; j < N; ++j) dst[j * BT] = gs[b * N + j];
+  }
+  std::copy_n(x_acc, B * K, xt.data());
+  for_each_item(chunks, [&](int64_t ch) {
+    std::vector<acc_t> dxl;
+    std::vector<uint16_t> ct(kBackwardGroupsPerBlock * M * N);
+    const int64_t g0 = ch * per_chunk, g1 = std::min(G, g0 + per_chunk);
+    if (g0 >= g1) return;
+    const int64_t width = (g1 - g0) * D;
+    if (WantDx) dxl.assign(tiles * BT * width, acc_t(0));
+    acc_t* part = WantDc ? dc_parts + ch * MED : nullptr;
+    for (int64_t gb = g0; gb < g1; gb += kBackwardGroupsPerBlock) {
+      const int64_t ge = std::min(g1, gb + kBackwardGroupsPerBlock);
+      transpose_codes(d, idx, gb, ge, ct.data());
+      for (int64_t t = 0; t < tiles; ++t) {
+        acc_t* dxt = WantDx ? dxl.data() + t * BT * width + (gb - g0) * D : nullptr;
+        gather_backward_tile<acc_t, D, BT, WantDx, WantDc>(
+            d, gsT.data() + t * N * BT, xt.data() + t * BT * K, ct.data(), gb, ge, gb, cb, dxt,
+            width, part, bad);
+      }
+    }
+    if (WantDx)
+      for (int64_t b = 0; b < B; ++b)
+        std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
+  });
+}
+
+// The same for any D and acc_t (scalar loops).
 template <typename acc_t>
-void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
-                     const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks, BadIndex& bad) {
+void gather_backward_any(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
+                         const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks,
+                         BadIndex& bad) {
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
   const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
   const int64_t per_chunk = ceil_div(G, chunks);
@@ -254,6 +397,46 @@ void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const u
           std::copy_n(dxl.data() + b * width, width, dx + b * K + g0 * D);
     }
   });
+}
+
+// dx (optional, [B, K] acc_t) and dC partials (optional, [chunks][M*E*D] acc_t, zeroed) for
+// B <= kMaxGatherBatch rows. gs [B, N] = dout * s, x_acc [B, K], cb [M, E, D], all acc_t.
+template <typename acc_t>
+void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const uint16_t* idx,
+                     const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks, BadIndex& bad) {
+  if (d.rows == 0 || d.out_features == 0 || d.groups == 0 || (!dx && !dc_parts)) return;
+  using std::integral_constant;
+  // Batch tiles of 8 rows keep BT accumulators, BT x vectors and the two partial sums in
+  // registers at D = 8 (16 rows would spill); fewer rows take a smaller tile.
+  const auto run = [&](auto dd) {
+    constexpr int DD = decltype(dd)::value;
+    const auto with_bt = [&](auto bt) {
+      constexpr int BT = decltype(bt)::value;
+      if (dx && dc_parts)
+        gather_backward_fixed<acc_t, DD, BT, true, true>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                         chunks, bad);
+      else if (dx)
+        gather_backward_fixed<acc_t, DD, BT, true, false>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                          chunks, bad);
+      else
+        gather_backward_fixed<acc_t, DD, BT, false, true>(d, gs, x_acc, idx, cb, dx, dc_parts,
+                                                          chunks, bad);
+    };
+    if (d.rows == 1) {
+      with_bt(integral_constant<int, 1>{});
+    } else if (d.rows <= 4) {
+      with_bt(integral_constant<int, 4>{});
+    } else {
+      with_bt(integral_constant<int, 8>{});
+    }
+  };
+  if (std::is_same<acc_t, float>::value && d.entry_dim == 8) {
+    run(integral_constant<int, 8>{});
+  } else if (std::is_same<acc_t, float>::value && d.entry_dim == 4) {
+    run(integral_constant<int, 4>{});
+  } else {
+    gather_backward_any<acc_t>(d, gs, x_acc, idx, cb, dx, dc_parts, chunks, bad);
+  }
 }
 
 // Raises unless every index is < E (16-bit indices, before the dense path reads them).

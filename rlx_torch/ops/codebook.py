@@ -7,7 +7,8 @@ Op contract, shared by every backend (CPU in csrc/cpu/codebook.cpp, MPS in csrc/
     indices   [N, K/D] or [N, K/D, M]   uint8 (E <= 256), or int16 / uint16 (E <= 65536;
                                   int16 codes are read as their 16-bit pattern, i.e. modulo
                                   2**16, as AQLM stores them); M additive codebooks
-    codebook  [E, D] or [M, E, D] x's dtype (2-d with 2-d indices, 3-d with 3-d)
+    codebook  [E, D] or [M, E, D] x's dtype (2-d with 2-d indices, 3-d with 3-d); on CPU with
+                                  float32 x and 16-bit indices also float16 or bfloat16
     scales    [N] or None         x's dtype, per-output scale
     bias      [N] or None         x's dtype
     out       [..., N]            x's dtype:
@@ -21,7 +22,7 @@ Op contract, shared by every backend (CPU in csrc/cpu/codebook.cpp, MPS in csrc/
     grad_out  [..., N] with x's leading dims and dtype.
     output_mask  four bools: which of the four gradients to compute. A gradient whose bit is
     False is returned as an empty tensor of shape [0] (x's dtype and device), not computed.
-    grad_x [..., K] like x (contiguous); grad_codebook like codebook; grad_scales [N]
+    grad_x [..., K] like x (contiguous); grad_codebook like codebook (its dtype); grad_scales [N]
     (requires scales; with scales None its bit must be False); grad_bias [N] = grad_out summed
     over the leading dims. indices get no gradient. Deterministic: bitwise identical results
     for identical inputs. An empty batch gives zero gradients.
@@ -82,9 +83,17 @@ def check_inputs(x, indices, codebook, scales=None, bias=None):
             "codebook_matmul: codebook must have shape [E, D] for 2-d indices or [M, E, D] for "
             f"3-d indices; got codebook {tuple(codebook.shape)} with indices {tuple(indices.shape)}"
         )
-    if codebook.dtype != x.dtype:
+    half_ok = (
+        x.dtype == torch.float32
+        and codebook.dtype in (torch.float16, torch.bfloat16)
+        and indices.dtype != torch.uint8
+        and x.device.type in ("cpu", "meta")
+        and codebook.device.type in ("cpu", "meta")
+    )
+    if codebook.dtype != x.dtype and not half_ok:
         raise ValueError(
-            f"codebook_matmul: codebook must have x's dtype {x.dtype}, got {codebook.dtype}"
+            f"codebook_matmul: codebook must have x's dtype {x.dtype} (or float16/bfloat16 with "
+            f"float32 x and 16-bit indices on CPU), got {codebook.dtype}"
         )
     for name, t in (("indices", indices), ("codebook", codebook)):
         if t.device != x.device:
@@ -158,8 +167,13 @@ def _codebook_matmul_backward_fake(grad_out, x, indices, codebook, scales, outpu
     check_backward_inputs(grad_out, x, indices, codebook, scales, output_mask)
     n = indices.shape[0]
     shapes = (x.shape, codebook.shape, (n,), (n,))
+    dtypes = (x.dtype, codebook.dtype, x.dtype, x.dtype)
     # grad_x is contiguous (the kernels write a fresh [..., K] tensor); the others are new too.
-    return tuple(x.new_empty(s if on else (0,)) for s, on in zip(shapes, output_mask, strict=True))
+    # Skipped gradients are [0] in x's dtype; grad_codebook has the codebook's dtype.
+    return tuple(
+        x.new_empty(s if on else (0,), dtype=t if on else x.dtype)
+        for s, t, on in zip(shapes, dtypes, output_mask, strict=True)
+    )
 
 
 _codebook_autograd.register()
@@ -178,7 +192,8 @@ def codebook_matmul(
         x: ``[..., K]`` float32/float64/float16/bfloat16.
         indices: ``[N, K/D]`` (one codebook) or ``[N, K/D, M]`` (M additive codebooks); uint8
             for E <= 256 entries, int16 or uint16 for E <= 65536 (int16 read modulo 2**16).
-        codebook: ``[E, D]`` or ``[M, E, D]``, x's dtype.
+        codebook: ``[E, D]`` or ``[M, E, D]``, x's dtype; on CPU with float32 x and 16-bit
+            indices also float16 or bfloat16 (AQLM's codebooks, read as they are).
         scales: optional ``[N]`` per-output scale. bias: optional ``[N]``.
 
     Returns ``[..., N]`` in x's dtype. Differentiable in x, codebook, scales and bias (reverse

@@ -46,6 +46,15 @@ inline void check_vector(const std::optional<at::Tensor>& v, const char* name, c
                     " must be on x's device ", x.device(), ", got ", v->device());
 }
 
+// A float16/bfloat16 codebook with float32 x (AQLM's 1x16 checkpoints keep their codebooks in
+// float16): the CPU gather kernels read such entries as they are, accumulating in float32.
+inline bool half_codebook_ok(const at::Tensor& x, const at::Tensor& indices,
+                             const at::Tensor& codebook) {
+  const at::ScalarType c = codebook.scalar_type();
+  return x.scalar_type() == at::kFloat && (c == at::kHalf || c == at::kBFloat16) &&
+         indices.scalar_type() != at::kByte && x.device().is_cpu() && codebook.device().is_cpu();
+}
+
 // Checks shapes, dtypes and devices (never tensor values) and returns the sizes.
 inline Dims check_inputs(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
                          const std::optional<at::Tensor>& scales,
@@ -64,8 +73,9 @@ inline Dims check_inputs(const at::Tensor& x, const at::Tensor& indices, const a
                     "codebook_matmul: codebook must have shape [E, D] for 2-d indices or [M, E, D] "
                     "for 3-d indices; got codebook ",
                     codebook.sizes(), " with indices ", indices.sizes());
-  TORCH_CHECK_VALUE(codebook.scalar_type() == x.scalar_type(),
-                    "codebook_matmul: codebook must have x's dtype ", x.scalar_type(), ", got ",
+  TORCH_CHECK_VALUE(codebook.scalar_type() == x.scalar_type() || half_codebook_ok(x, indices, codebook),
+                    "codebook_matmul: codebook must have x's dtype ", x.scalar_type(),
+                    " (or float16/bfloat16 with float32 x and 16-bit indices on CPU), got ",
                     codebook.scalar_type());
   TORCH_CHECK_VALUE(indices.device() == x.device(),
                     "codebook_matmul: indices must be on x's device ", x.device(), ", got ",
