@@ -4,9 +4,6 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
 #include "codebook_cuda.cuh"
 #include "codebook_lut.cuh"
 #include "codebook_mma.cuh"
@@ -106,14 +103,13 @@ int device_sms() {
   return sms;
 }
 
-// The lookup-table path (codebook_lut.cuh): float16 / bfloat16 / float32 x, D = 8, one or two
-// codebooks, at most 4 rows.
+// The lookup-table path (codebook_lut.cuh) where it measured faster than the tensor-core
+// forward on the H200 (docs/benchmarks.md): 16-bit x, D = 8, one codebook, one row, K > 4096
+// (17.0 against 19.1 us at N = K = 8192). At K = 4096, with two codebooks or with 2-4 rows the
+// tensor-core forward was faster, so those stay there (and float32 on the direct forward).
 bool use_lut_forward(const Dims& d, at::ScalarType dtype) {
-  const char* env = std::getenv("RLX_CB_PATH");  // TUNING ONLY
-  if (env && std::string(env) == "mma") return false;
-  return (dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat) &&
-         d.entry_dim == 8 && (d.num_codebooks == 1 || d.num_codebooks == 2) && d.rows >= 1 &&
-         d.rows <= kLutMaxRows;
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && d.entry_dim == 8 &&
+         d.num_codebooks == 1 && d.rows == 1 && d.in_features > 4096;
 }
 
 template <LutIn kind>
@@ -122,43 +118,27 @@ void launch_lut_forward(const Dims& d, const at::Tensor& x2d, const at::Tensor& 
                         at::Tensor& out2d, cudaStream_t stream) {
   using elem_t = lut_elem_t<kind>;
   const int M = static_cast<int>(d.num_codebooks), E = static_cast<int>(d.num_entries);
-  const char* env = std::getenv("RLX_CB_LUT_RPT");  // TUNING ONLY
-  const LutShape shape = lut_shape(d.rows, d.out_features, d.groups, M, device_sms(),
-                                   env ? std::atoi(env) : 0);
+  const LutShape shape = lut_shape(d.rows, d.out_features, d.groups, M, device_sms());
   const int64_t nb = d.rows;
-  at::Tensor partial = at::empty({shape.slices, nb, d.out_features}, x2d.options().dtype(at::kFloat));
-  const bool wide = (d.groups * M) % 16 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
+  at::Tensor partial =
+      at::empty({shape.slices, nb, d.out_features}, x2d.options().dtype(at::kFloat));
+  const bool wide =
+      (d.groups * M) % 16 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
   auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const elem_t*>(t.data_ptr()); };
-  auto run = [&](auto m_tag, auto bt_tag, auto sb_tag) {
-    constexpr int MM = decltype(m_tag)::value, BT = decltype(bt_tag)::value;
-    constexpr int SB = decltype(sb_tag)::value;
-    auto kernel = lut_partial_kernel<kind, MM, BT, SB>;
-    const size_t smem = lut_partial_smem(MM, E, BT, SB);
-    if (smem > 48 * 1024) {
-      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem)));
-    }
-    const int64_t blocks = shape.slices * shape.chunks;
-    kernel<<<static_cast<unsigned>(blocks), kLutThreads, smem, stream>>>(
-        ptr(x2d), idx.data_ptr<uint8_t>(), ptr(cb), partial.data_ptr<float>(), d.rows,
-        d.out_features, d.groups, E, shape.rpt, shape.chunks, wide);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  };
-  using I1 = std::integral_constant<int, 1>;
-  using I2 = std::integral_constant<int, 2>;
-  using I4 = std::integral_constant<int, 4>;
-  using I16 = std::integral_constant<int, 16>;
-  using I32 = std::integral_constant<int, 32>;
-  auto with_m = [&](auto m_tag) {
-    if (shape.bt == 1) {
-      run(m_tag, I1{}, I32{});
-    } else if (shape.bt == 2) {
-      run(m_tag, I2{}, I32{});
-    } else {
-      run(m_tag, I4{}, I16{});
-    }
-  };
-  M == 1 ? with_m(I1{}) : with_m(I2{});
+  // The routed case only (use_lut_forward): one codebook, one row, 32 code bytes per slice.
+  // The kernel's other instantiations (2-4 rows, two codebooks, float32) are checked by
+  // tests/test_codebook_cuda_emulator.py.
+  TORCH_INTERNAL_ASSERT(M == 1 && shape.bt == 1 && shape.sb == 32);
+  auto kernel = lut_partial_kernel<kind, 1, 1, 32>;
+  const size_t smem = lut_partial_smem(1, E, 1, 32);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  kernel<<<static_cast<unsigned>(shape.slices * shape.chunks), kLutThreads, smem, stream>>>(
+      ptr(x2d), idx.data_ptr<uint8_t>(), ptr(cb), partial.data_ptr<float>(), d.rows,
+      d.out_features, d.groups, E, shape.rpt, shape.chunks, wide);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   const int64_t total = nb * d.out_features;
   lut_reduce_kernel<kind><<<static_cast<unsigned>(ceil_div(total, kLutThreads)), kLutThreads, 0,
                             stream>>>(partial.data_ptr<float>(),
@@ -187,11 +167,10 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
   auto out2d = out.view({d.rows, d.out_features});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
-    if constexpr (!std::is_same_v<scalar_t, double>) {
+    if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
       if (use_lut_forward(d, x.scalar_type())) {
-        constexpr LutIn kind = std::is_same_v<scalar_t, at::Half>       ? LutIn::kHalf
-                               : std::is_same_v<scalar_t, at::BFloat16> ? LutIn::kBFloat16
-                                                                        : LutIn::kFloat;
+        constexpr LutIn kind =
+            std::is_same_v<scalar_t, at::Half> ? LutIn::kHalf : LutIn::kBFloat16;
         launch_lut_forward<kind>(d, x2d, idx, cb, sp,
                                  bs.defined() ? bs.data_ptr<scalar_t>() : nullptr, out2d, stream);
         return;
