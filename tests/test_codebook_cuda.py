@@ -43,6 +43,18 @@ CUDA_SHAPES = [
     # ragged, a ragged last window
     (3, 70, 520, 8, 256, 2),
     (11, 70, 520, 8, 256, 1),
+    # the tensor-core forward at 1-4 rows with codes that are not whole 16-byte vectors, E < 256
+    (1, 77, 45, 8, 256, 1),
+    (2, 300, 40, 8, 256, 1),
+    (4, 90, 37, 8, 100, 2),
+    # the lookup-table forward (16-bit x, one row, one codebook, K > 4096): a layer wide and
+    # long enough for two output rows per thread (the last chunk ragged), and a ragged last
+    # slice with codes read byte by byte (G not a multiple of 16)
+    (1, 520, 4240, 8, 256, 1),
+    (1, 70, 4105, 8, 256, 1),
+    # the tensor-core forward with one n8 tile of x (5-8 rows)
+    (6, 45, 72, 8, 256, 2),
+    (8, 70, 520, 8, 256, 1),
 ]
 ALL_SHAPES = SHAPES + CUDA_SHAPES
 
@@ -185,7 +197,7 @@ def test_opcheck(rows):
         )
 
 
-@pytest.mark.parametrize("rows", [1, 12, 200])
+@pytest.mark.parametrize("rows", [1, 3, 12, 200])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_deterministic_across_calls(rows, dtype):
     # Codes drawn from 4 entries collide often, which is where a scatter could reorder sums.

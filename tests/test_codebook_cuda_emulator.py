@@ -72,3 +72,68 @@ def test_emulated_mma_forward_matches_reference(case, emulator, tmp_path):
     eps = torch.finfo(dtype).eps
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=eps, atol=eps * scale * 0.05, msg=case)
+
+
+@pytest.fixture(scope="module")
+def lut_emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu_lut"), "codebook_lut_emu_main")
+
+
+# The lookup-table forward (csrc/cuda/codebook_lut.cuh):
+# (dtype, B, N, G, M, E, scales, bias, 16-byte codes, rows per thread (0: the rule), SMs)
+LUT_CASES = {
+    "one_row_one_slice": (torch.float16, 1, 40, 32, 1, 256, True, True, True, 0, 132),
+    "one_row_ragged_slice_bytes": (torch.float16, 1, 300, 45, 1, 256, True, False, False, 0, 132),
+    "two_rows_two_codebooks_bf16": (torch.bfloat16, 2, 70, 48, 2, 200, False, True, True, 0, 132),
+    "three_rows_float4_table": (torch.float16, 3, 33, 40, 1, 256, True, True, True, 0, 132),
+    "four_rows_two_cb_ragged": (torch.bfloat16, 4, 65, 37, 2, 256, True, True, False, 0, 132),
+    "float32_small_e": (torch.float32, 2, 50, 70, 2, 37, True, True, True, 0, 132),
+    # two output rows per thread: the rule's choice on a 1-SM device, and forced
+    "two_rows_per_thread_rule": (torch.float16, 1, 700, 64, 1, 256, True, True, True, 0, 1),
+    "two_rows_per_thread_ragged": (torch.float32, 4, 530, 20, 2, 256, False, True, True, 2, 132),
+    "long_k_many_slices": (torch.float16, 1, 20, 520, 1, 256, True, True, True, 0, 132),
+}
+
+
+def _dump(t, path):
+    if t.dtype == torch.float32:
+        t.contiguous().numpy().tofile(str(path))
+    else:
+        _bits(t).tofile(str(path))
+
+
+@pytest.mark.parametrize("case", LUT_CASES)
+def test_emulated_lut_forward_matches_reference(case, lut_emulator, tmp_path):
+    dtype, B, N, G, M, E, has_s, has_b, wide, rpt, sms = LUT_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(B, G * 8, generator=gen).to(dtype)
+    cb = (torch.randn(M, E, 8, generator=gen) * 0.5).to(dtype)
+    idx = torch.randint(0, E, (N, G, M), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(N, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    for name, t in (("x", x), ("cb", cb), ("scales", scales), ("bias", bias)):
+        _dump(t, tmp_path / f"{name}.bin")
+    idx.numpy().tofile(str(tmp_path / "idx.bin"))
+    kind = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}[dtype]
+    args = [lut_emulator, tmp_path, kind, B, N, G, M, E, int(has_s), int(has_b), int(wide), rpt,
+            sms]
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    if dtype == torch.float32:
+        got = torch.from_file(str(tmp_path / "out.bin"), size=B * N, dtype=torch.float32)
+    else:
+        got = torch.from_file(str(tmp_path / "out.bin"), size=B * N, dtype=torch.int16).view(dtype)
+    got = got.view(B, N).double()
+    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
+    want = x.double() @ W.T
+    if has_s:
+        want = want * scales.double()
+    if has_b:
+        want = want + bias.double()
+    # float32 tables and sums: half outputs are within their own rounding; float32 within a
+    # few ulps of the sum's magnitude per slice
+    eps = torch.finfo(dtype).eps
+    scale = want.abs().max().item()
+    atol = eps * scale * (0.05 if dtype != torch.float32 else 8.0)
+    torch.testing.assert_close(got, want, rtol=eps if dtype != torch.float32 else 1e-5,
+                               atol=atol, msg=case)

@@ -5,6 +5,7 @@
 #include <torch/library.h>
 
 #include "codebook_cuda.cuh"
+#include "codebook_lut.cuh"
 #include "codebook_mma.cuh"
 
 namespace rlx::codebook::cuda {
@@ -95,6 +96,59 @@ void launch_mma_forward(const Dims& d, at::Tensor x2d, const at::Tensor& idx,
   }
 }
 
+int device_sms() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
+// The lookup-table path (codebook_lut.cuh) where it measured faster than the tensor-core
+// forward on the H200 (docs/benchmarks.md): 16-bit x, D = 8, one codebook, one row, K > 4096
+// (17.0 against 19.1 us at N = K = 8192). At K = 4096, with two codebooks or with 2-4 rows the
+// tensor-core forward was faster, so those stay there (and float32 on the direct forward).
+bool use_lut_forward(const Dims& d, at::ScalarType dtype) {
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && d.entry_dim == 8 &&
+         d.num_codebooks == 1 && d.rows == 1 && d.in_features > 4096;
+}
+
+template <LutIn kind>
+void launch_lut_forward(const Dims& d, const at::Tensor& x2d, const at::Tensor& idx,
+                        const at::Tensor& cb, const void* scales, const void* bias,
+                        at::Tensor& out2d, cudaStream_t stream) {
+  using elem_t = lut_elem_t<kind>;
+  const int M = static_cast<int>(d.num_codebooks), E = static_cast<int>(d.num_entries);
+  const LutShape shape = lut_shape(d.rows, d.out_features, d.groups, M, device_sms());
+  const int64_t nb = d.rows;
+  at::Tensor partial =
+      at::empty({shape.slices, nb, d.out_features}, x2d.options().dtype(at::kFloat));
+  const bool wide =
+      (d.groups * M) % 16 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
+  auto ptr = [](const at::Tensor& t) { return reinterpret_cast<const elem_t*>(t.data_ptr()); };
+  // The routed case only (use_lut_forward): one codebook, one row, 32 code bytes per slice.
+  // The kernel's other instantiations (2-4 rows, two codebooks, float32) are checked by
+  // tests/test_codebook_cuda_emulator.py.
+  TORCH_INTERNAL_ASSERT(M == 1 && shape.bt == 1 && shape.sb == 32);
+  auto kernel = lut_partial_kernel<kind, 1, 1, 32>;
+  const size_t smem = lut_partial_smem(1, E, 1, 32);
+  if (smem > 48 * 1024) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem)));
+  }
+  kernel<<<static_cast<unsigned>(shape.slices * shape.chunks), kLutThreads, smem, stream>>>(
+      ptr(x2d), idx.data_ptr<uint8_t>(), ptr(cb), partial.data_ptr<float>(), d.rows,
+      d.out_features, d.groups, E, shape.rpt, shape.chunks, wide);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const int64_t total = nb * d.out_features;
+  lut_reduce_kernel<kind><<<static_cast<unsigned>(ceil_div(total, kLutThreads)), kLutThreads, 0,
+                            stream>>>(partial.data_ptr<float>(),
+                                      static_cast<const elem_t*>(scales),
+                                      static_cast<const elem_t*>(bias),
+                                      reinterpret_cast<elem_t*>(out2d.data_ptr()), nb,
+                                      d.out_features, shape.slices);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
                         const std::optional<at::Tensor>& scales,
                         const std::optional<at::Tensor>& bias) {
@@ -113,6 +167,15 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
   auto out2d = out.view({d.rows, d.out_features});
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
+    if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+      if (use_lut_forward(d, x.scalar_type())) {
+        constexpr LutIn kind =
+            std::is_same_v<scalar_t, at::Half> ? LutIn::kHalf : LutIn::kBFloat16;
+        launch_lut_forward<kind>(d, x2d, idx, cb, sp,
+                                 bs.defined() ? bs.data_ptr<scalar_t>() : nullptr, out2d, stream);
+        return;
+      }
+    }
     if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
       if (use_mma_forward(d, x.scalar_type())) {
         launch_mma_forward<scalar_t>(d, x2d, idx, cb, sp,
