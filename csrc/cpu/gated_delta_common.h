@@ -1,5 +1,5 @@
 // Gated delta rule on the CPU: token-by-token recurrence with float32 (float64) state.
-// What the forward (gated_delta_forward.cpp) and the backward (gated_delta_backward.cpp)
+// What the forward (gated_delta_forward.cpp) and the backward (gated_delta_backward*.cpp)
 // share: the layouts, vectors, row loads, reductions and prefetches below.
 //
 // Per (sequence, value head hv), state S in R^{K x V}, q/k head h = hv / (HV / H):
@@ -8,9 +8,11 @@
 // Forward: parallel over (sequence, hv, group of V-blocks) -- the columns of S evolve
 // independently -- and keeps S every C tokens in the checkpoint buffer
 // (gdn_backward_layout.h).
-// Backward: parallel over (sequence, q/k head); for each value head of the group it walks
+// Backward (token by token, gated_delta_backward_recurrent.cpp; the chunked form for decays,
+// gated_delta_backward_chunked.cpp, works on blocks of tokens instead):
+// parallel over (sequence, q/k head); for each value head of the group it walks
 // the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
-// when they are very large, see backward_kernel), and runs the reverse recurrence for dS
+// when they are very large, see RecurrentBackward), and runs the reverse recurrence for dS
 // over them, one block of columns at a time (the columns evolve independently; a block's
 // states fit L2): the per-token row factors are computed once per chunk for all blocks, and
 // the blocks' partial dq/dk/dg/dbeta are summed in a fixed order. dq/dk of a group are summed
@@ -51,6 +53,19 @@
 #include "l2norm_row.h"
 
 namespace rlx {
+
+// Raw pointers of one call (outside the anonymous namespace: the backward algorithms, each in
+// its own file, take them); token index tok = b * T + t (the packed position when varlen).
+template <typename in_t, typename acc_t>
+struct Views {
+  const in_t *q, *k, *v;
+  const acc_t *g, *beta;
+  const int64_t* cu;  // nullptr when not varlen
+  acc_t scale;
+  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
+  acc_t l2norm_eps;
+};
+
 namespace {
 
 // The forward keeps its state block row-major ([K, nv], fla's layout): a block of columns is
@@ -64,17 +79,6 @@ namespace {
 
 template <typename acc_t>
 using AccVec = std::vector<acc_t>;
-
-// Raw pointers of one call; token index tok = b * T + t (the packed position when varlen).
-template <typename in_t, typename acc_t>
-struct Views {
-  const in_t *q, *k, *v;
-  const acc_t *g, *beta;
-  const int64_t* cu;  // nullptr when not varlen
-  acc_t scale;
-  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
-  acc_t l2norm_eps;
-};
 
 // Decay factors a = exp(g) of value head hv: one per key channel, or one broadcast to all K.
 template <typename acc_t>
