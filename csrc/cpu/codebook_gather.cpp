@@ -5,13 +5,10 @@
 #include <ATen/Dispatch.h>
 
 #include "codebook_gather.h"
+#include "rlx/acc_type.h"
 
 namespace rlx::codebook::cpu {
 namespace {
-
-at::ScalarType acc_type_of(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
   // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
@@ -41,7 +38,7 @@ at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
                              const std::optional<at::Tensor>& bias, const Dims& d) {
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
@@ -60,7 +57,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask, const Dims& d) {
   const auto skipped = [&] { return at::empty({0}, x.options()); };
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto g_acc = grad_out.reshape({d.rows, d.out_features}).to(acc).contiguous();
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();

@@ -28,6 +28,8 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 #include "codebook_lut.h"
 
 namespace rlx::codebook::cpu {
@@ -47,12 +49,6 @@ struct BadIndex {
   }
 };
 
-// A D-wide vector of acc_t (D in {4, 8, 16}: 16 to 128 bytes, one to four AVX registers).
-template <typename acc_t, int D>
-struct EntryVec {
-  typedef acc_t type __attribute__((vector_size(D * sizeof(acc_t))));
-};
-
 inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward work item
 inline constexpr int64_t kMaxGatherBatch = 16;     // the gather path's batch limit (else dense)
 
@@ -63,7 +59,9 @@ inline bool use_gather_dense(const Dims& d) { return d.rows > kMaxGatherBatch; }
 template <typename acc_t, int D, int BT, int JT>
 void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, const acc_t* cb,
                        int64_t j0, int64_t j1, acc_t* raw, int64_t raw_stride, BadIndex& bad) {
-  using V = typename EntryVec<acc_t, D>::type;
+  // One codebook entry, D lanes of acc_t (D in {4, 8, 16}: 16 to 128 bytes, one to four AVX
+  // registers).
+  using V = Vec<acc_t, D>;
   const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, K = d.in_features;
   const int64_t steps = G * M;
   for (int64_t j = j0; j < j1; j += JT) {

@@ -47,10 +47,12 @@
 #include <immintrin.h>
 #endif
 
+#include "rlx/acc_type.h"
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 #include "huge_pages.h"
 #include "l2norm_row.h"
+#include "vec.h"
 
 namespace rlx {
 
@@ -92,44 +94,6 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
     const acc_t e = std::exp(g[tok * p.num_v_heads + hv]);
     for (int64_t i = 0; i < K; ++i) a[i] = e;
   }
-}
-
-// 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
-// Every function here has internal linkage, so the ABI note GCC gives for passing such
-// vectors in a build without AVX (RLX_AVX2=0) does not apply.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-template <typename T>
-struct VecOf;
-template <>
-struct VecOf<float> {
-  typedef float type __attribute__((vector_size(32)));
-};
-template <>
-struct VecOf<double> {
-  typedef double type __attribute__((vector_size(32)));
-};
-template <typename acc_t>
-using Vec256 = typename VecOf<acc_t>::type;
-
-template <typename acc_t>
-inline Vec256<acc_t> load_vec(const acc_t* p) {
-  Vec256<acc_t> x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-template <typename acc_t>
-inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
-  std::memcpy(p, &x, sizeof(x));
-}
-
-template <typename acc_t>
-inline acc_t hsum(const Vec256<acc_t>& x) {
-  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
-  acc_t s = 0;
-  for (int64_t l = 0; l < L; ++l) s += x[l];
-  return s;
 }
 
 // out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a

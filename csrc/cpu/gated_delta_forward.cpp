@@ -414,7 +414,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
                                   [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_type_t<scalar_t>;
     forward_kernel<scalar_t, acc_t>(p,
                                     make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale,
                                                                 l2norm_eps),
