@@ -124,10 +124,10 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     # Release builds carry no debug info (Python's sysconfig CFLAGS bring -g, which made the
     # .so about 8x its code size); DEBUG=1 builds keep it.
     cxx += ["-O0", "-g"] if debug else ["-O3", "-g0"]
-    # Python's own flags (sysconfig CFLAGS) bring -fwrapv, which CPython needs and these
-    # kernels do not: with it, signed index arithmetic may wrap, and GCC's loop optimizations
-    # lose ground (gated delta backward 3-5% slower, in-process A/B on the 2-core EPYC).
-    cxx += ["-fno-wrapv"]
+    # (No -fno-wrapv against the -fwrapv in Python's CFLAGS and no -falign-loops=32: neither
+    # changed the gated delta or codebook benchmarks beyond their run-to-run spread in an A/B
+    # of builds with and without them.)
+    # ninja captures the compiler's output, so the compiler sees no terminal: keep its colors.
     cxx += ["-Wall", "-Wextra", "-Wno-unused-parameter", "-fdiagnostics-color=always"]
     link = []
     if use_mps:
@@ -135,10 +135,6 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     if machine in ("x86_64", "AMD64"):
         # AVX2/FMA: every x86-64 CPU since Haswell (2013). RLX_AVX2=0 builds for older ones.
         cxx += ["-mavx2", "-mfma"] if avx2 else []
-        # Loops start on 32-byte boundaries: the gated delta backward's hottest loop ran
-        # 4-6% slower when it happened to start 16 bytes into a 64-byte line (in-process A/B
-        # on the 2-core EPYC), and any edit elsewhere in the file moved it there or back.
-        cxx += ["-falign-loops=32"]
     if sanitize:
         # AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh builds this into
         # its own directory and runs the C++-heavy tests with libasan preloaded); UB aborts.

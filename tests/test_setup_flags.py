@@ -69,7 +69,7 @@ def test_macos_uses_torchs_libomp(rlx_setup):
     assert link[:4] == ["-framework", "Metal", "-framework", "Foundation"]
     assert "-std=c++17" in cxx and "-O3" in cxx and "-Wall" in cxx and "-Wextra" in cxx
     # no x86 flags on Apple silicon
-    assert not {"-mavx2", "-mfma", "-falign-loops=32"} & set(cxx)
+    assert not {"-mavx2", "-mfma"} & set(cxx)
 
 
 def test_macos_without_openmp_or_mps(rlx_setup):
@@ -81,14 +81,16 @@ def test_linux_gcc_uses_fopenmp_and_x86_flags(rlx_setup):
     flags = _linux(rlx_setup, "x86_64", "gcc", std="c++20")
     assert flags["cxx"].count("-fopenmp") == 1 and flags["link"] == ["-fopenmp"]
     assert "-Xpreprocessor" not in flags["cxx"]
-    assert {"-mavx2", "-mfma", "-falign-loops=32", "-std=c++20"} <= set(flags["cxx"])
+    assert {"-mavx2", "-mfma", "-std=c++20"} <= set(flags["cxx"])
+    # flags that no benchmark showed to pay stay out (see build_flags)
+    assert not {"-falign-loops=32", "-fno-wrapv"} & set(flags["cxx"])
     no_avx2 = _linux(rlx_setup, "x86_64", "gcc", std="c++20", avx2=False)
     assert "-mavx2" not in no_avx2["cxx"] and "-mfma" not in no_avx2["cxx"]
 
 
 def test_linux_aarch64_has_no_x86_flags(rlx_setup):
     flags = _linux(rlx_setup, "aarch64", "gcc")
-    assert not any(f.startswith(("-mavx", "-mfma", "-falign-loops")) for f in flags["cxx"])
+    assert not any(f.startswith(("-mavx", "-mfma")) for f in flags["cxx"])
     assert "-fopenmp" in flags["cxx"]
 
 
