@@ -1,8 +1,10 @@
 """Builds rlx_torch._C with torch.utils.cpp_extension.
 
-C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The CUDA kernels
-(csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built with CUDA and
-nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
+C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled, for the architecture's
+baseline (plain x86-64, plain arm64): the CPU kernels' AVX2+FMA copies (csrc/cpu/avx2/, see
+csrc/cpu/cpu_isa.h) are chosen at run time, so a wheel runs on any CPU of its architecture.
+The CUDA kernels (csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built
+with CUDA and nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
 Metal host code (csrc/mps/*.mm) is added only on macOS when this torch was built with MPS;
 the .metal kernel sources are embedded into a generated header either way (see
 tools/embed_metal.py), so the host code and the Linux emulator tests read the same text.
@@ -74,7 +76,8 @@ def source_files(root: str, system: str, mps_built: bool) -> tuple[list[str], bo
     def rel(pattern):
         return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
 
-    srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    # csrc/cpu/avx2/: the kernels' AVX2 copies (empty translation units off x86-64)
+    srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/cpu/avx2/*.cpp")
     use_mps = system == "darwin" and mps_built
     if use_mps:
         srcs += rel("csrc/mps/*.mm")
@@ -109,8 +112,8 @@ LINUX_CLANG_OPENMP = (
 
 
 def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_openmp: bool,
-                use_mps: bool, debug: bool = False, avx2: bool = True,
-                clang_openmp: bool = False, sanitize: bool = False) -> dict[str, list[str]]:
+                use_mps: bool, debug: bool = False, clang_openmp: bool = False,
+                sanitize: bool = False) -> dict[str, list[str]]:
     """Compile ("cxx") and link ("link") arguments for one platform.
 
     system: sys.platform ("linux", "darwin"); machine: platform.machine(); compiler: "gcc" or
@@ -132,9 +135,8 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     link = []
     if use_mps:
         link += ["-framework", "Metal", "-framework", "Foundation"]
-    if machine in ("x86_64", "AMD64"):
-        # AVX2/FMA: every x86-64 CPU since Haswell (2013). RLX_AVX2=0 builds for older ones.
-        cxx += ["-mavx2", "-mfma"] if avx2 else []
+    # No -mavx2/-march: the baseline stays portable; AVX2 code lives only in the target
+    # regions of the kernels' AVX2 copies (csrc/cpu/cpu_isa.h).
     if sanitize:
         # AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh builds this into
         # its own directory and runs the C++-heavy tests with libasan preloaded); UB aborts.
@@ -181,7 +183,7 @@ def _extension():
         sys.platform, platform.machine(), compiler_family(cxx_cmd),
         std=os.getenv("RLX_CXX_STD") or cxx_standard(torch.__version__),
         torch_openmp=torch_openmp, use_mps=use_mps,
-        debug=os.getenv("DEBUG", "0") == "1", avx2=os.getenv("RLX_AVX2", "1") == "1",
+        debug=os.getenv("DEBUG", "0") == "1",
         clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1",
         sanitize=os.getenv("RLX_SANITIZE", "0") == "1")
     include_dirs = [os.path.join(ROOT, "csrc", "include")]

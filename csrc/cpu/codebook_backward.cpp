@@ -1,19 +1,12 @@
 // CPU kernel for rlx::codebook_matmul_backward: lookup-table scatter for small batches,
 // dequantized weight tiles + GEMM for large ones (the algorithm is described in codebook.cpp).
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "codebook_gather.h"
 #include "codebook_lut.h"
 
-#include <algorithm>
-#include <array>
-#include <tuple>
-#include <vector>
-
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
 
 // Fixed (thread-count independent) partition of the groups into blocks: each block's
@@ -230,6 +223,8 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   });
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
@@ -307,9 +302,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   return {dx, dC, ds, db};
 }
 
-}  // namespace
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx::codebook::cpu, backward_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("codebook_matmul_backward", &rlx::codebook::cpu::backward_cpu);
+  m.impl("codebook_matmul_backward", RLX_ISA_PICK(rlx::codebook::cpu, backward_cpu));
 }
+#endif

@@ -1,13 +1,12 @@
 // rlx::codebook_matmul and its backward for 16-bit indices on CPU: the gather kernels of
 // codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_lut.h) for large
 // ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "codebook_gather.h"
-#include "rlx/acc_type.h"
 
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
 
 const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
@@ -100,4 +99,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   return {dx, dC, ds, db};
 }
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END

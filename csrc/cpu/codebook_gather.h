@@ -32,7 +32,9 @@
 
 #include "codebook_lut.h"
 
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
 // Largest index >= E seen by a kernel (-1: none), for the caller's error message.
 struct BadIndex {
@@ -275,4 +277,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask, const Dims& d);
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS

@@ -19,7 +19,9 @@
 
 #include "vec.h"
 
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
 // Fully unrolls a loop over a compile-time count, so that its vector accumulators stay in
 // registers (GCC otherwise keeps the arrays on the stack and copies them around).
@@ -446,4 +448,4 @@ inline void check_index_range(const at::Tensor& indices, const Dims& d) {
                     " (the number of codebook entries), found ", top);
 }
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS

@@ -2,19 +2,13 @@
 // checkpoints' tag), then runs one of the two algorithms (gated_delta_backward.h): the
 // chunked one where it applies, else the token-by-token one. Shared parts and the overview:
 // gated_delta_common.h.
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
-#include <ATen/Parallel.h>
-
-#include <atomic>
-#include <cmath>
-#include <cstdlib>
-#include <type_traits>
-
+RLX_ISA_BEGIN
 #include "gated_delta_backward.h"
-#include "huge_pages.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // vw of each chunk's first token against the chunk's checkpoint S (vw = v - exp(g) S^T k;
@@ -82,6 +76,8 @@ bool use_chunked_backward(const GdnProblem& p, const at::Tensor& g) {
   return ok;
 }
 
+}  // namespace
+
 at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
                                const at::Tensor& v_in, const at::Tensor& g_in,
                                const at::Tensor& beta_in, double scale,
@@ -135,9 +131,14 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   return buf;
 }
 
-}  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx, gated_delta_bwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_bwd", &rlx::gated_delta_bwd_cpu);
+  m.impl("gated_delta_bwd", RLX_ISA_PICK(rlx, gated_delta_bwd_cpu));
 }
+#endif

@@ -6,14 +6,18 @@
 #pragma once
 
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <new>
 #include <type_traits>
 
 #include "gated_delta_common.h"
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
+#include "cpu_isa.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 
 // Token by token (gated_delta_backward_recurrent.cpp): recomputes each chunk's states from
 // its checkpoint, then runs the reverse recurrence over them.
@@ -37,6 +41,27 @@ void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, con
   MACRO(c10::BFloat16, float)
 
 namespace {
+
+// n zeroed vectors on the heap, aligned for them. (Not std::vector<Vec256<acc_t>>: GCC drops
+// a vector type's attributes in a template argument, and outside an AVX target it aligns a
+// 32-byte vector to 16 bytes, so the baseline std::allocator would hand the AVX2 copy's
+// aligned moves 16-byte-aligned memory.)
+template <typename acc_t>
+class VecArray {
+ public:
+  explicit VecArray(size_t n)
+      : p_(static_cast<Vec256<acc_t>*>(::operator new(n * sizeof(Vec256<acc_t>), kAlign))) {
+    for (size_t i = 0; i < n; ++i) p_[i] = Vec256<acc_t>{};
+  }
+  ~VecArray() { ::operator delete(p_, kAlign); }
+  VecArray(const VecArray&) = delete;
+  VecArray& operator=(const VecArray&) = delete;
+  Vec256<acc_t>* data() const { return p_; }
+
+ private:
+  static constexpr std::align_val_t kAlign{32};
+  Vec256<acc_t>* p_;
+};
 
 // Prefetch distance (tokens) of the loops that do O(K) work per token (kPrefetchTokens:
 // gated_delta_common.h).
@@ -64,7 +89,7 @@ inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, 
 // the backward in a profile. An empty asm on the value keeps them inline vector moves.
 template <typename vec>
 inline vec opaque(vec x) {
-#if defined(__AVX__)
+#if RLX_ISA_AVX
   asm("" : "+x"(x));
 #elif defined(__aarch64__) && defined(__clang__)
   // NEON registers hold 128 bits: each half goes through one. (GCC's aarch64 port would spill
@@ -153,4 +178,5 @@ inline BackwardTask backward_task(const GdnProblem& p, const int64_t* cu, int64_
 }
 
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

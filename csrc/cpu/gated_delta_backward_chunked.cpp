@@ -35,18 +35,14 @@
 // state per token. Cs = 16: 8 and 32 were slower (fewer products per pass over a state; more
 // Cs x Cs work).
 
-#include <ATen/Parallel.h>
+#include "cpu_kernel_deps.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <vector>
-
+RLX_ISA_BEGIN
 #include "gated_delta_backward.h"
 #include "gated_delta_backward_chunked_ops.h"
-#include "scratch.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 constexpr int64_t kCs = 16, kCC = kCs * kCs;  // sub-chunk: a multiple of L for float and double
@@ -514,7 +510,7 @@ class ChunkedBackward {
   ChunkedScratch<acc_t> s_;
   const HugeScratch block_;
   std::vector<const acc_t*> state_;  // the states before the sub-chunks and after the last
-  std::vector<Vec256<acc_t>> lanes_;  // per-token lane sums (3 Cs)
+  VecArray<acc_t> lanes_;  // per-token lane sums (3 Cs)
   RowQueue ahead_;  // input rows of the next walk, fetched by pump() between products
   RowDrain<acc_t> drain_;
   int64_t step_ = 0;  // backward steps so far: picks the set of gradient rows
@@ -531,7 +527,7 @@ void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, con
   at::parallel_for(0, std::min<int64_t>(tasks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     ChunkedBackward<in_t, acc_t> walk(p, in, ckpt, vw_saved, grad_o, grad_ht, lay, buf);
     for (int64_t task; (task = next_task.fetch_add(1)) < tasks;) walk.run_task(task);
-#if defined(__AVX__)
+#if RLX_ISA_AVX
     _mm_sfence();  // the streamed rows are visible before the parallel region ends
 #endif
   });
@@ -543,4 +539,6 @@ void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, con
       const acc_t*, const GdnBackwardLayout&, acc_t*);
 RLX_GDN_BACKWARD_INSTANTIATE(RLX_INSTANTIATE_CHUNKED)
 
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END

@@ -14,6 +14,7 @@
 #include "gated_delta_common.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // C[M x N] = diag(rs) A[M x P] B[P x N] (+ cs X, X[M x N] with C's row stride: C itself to
@@ -235,4 +236,5 @@ struct RowDrain {
 };
 
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

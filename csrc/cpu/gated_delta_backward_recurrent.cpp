@@ -2,19 +2,14 @@
 // channel, any sign): per chunk, recompute the states from the forward's checkpoint, then run
 // the reverse recurrence over them. The passes over the state:
 // gated_delta_backward_recurrent_steps.h; the overview: gated_delta_common.h.
-#include <ATen/Parallel.h>
+#include "cpu_kernel_deps.h"
 
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstring>
-#include <vector>
-
+RLX_ISA_BEGIN
 #include "gated_delta_backward.h"
 #include "gated_delta_backward_recurrent_steps.h"
-#include "scratch.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // Kp-long rows kept per token of a sub-chunk (RecurrentScratch::rowbuf): the recompute's
@@ -433,7 +428,7 @@ class RecurrentBackward {
   AccVec<acc_t> trq_, trk_;
   AccVec<acc_t> e_, kv_, qs_, kprev_, go_, u_, dw_, w_, z_;
   AccVec<acc_t> dqt_, dkt_, dgt_;
-  std::vector<Vec256<acc_t>> zpart_;
+  VecArray<acc_t> zpart_;
 };
 
 }  // namespace
@@ -462,4 +457,6 @@ void gdn_backward_recurrent(const GdnProblem& p, const Views<in_t, acc_t>& in,
                                                     const GdnBackwardLayout&, acc_t*);
 RLX_GDN_BACKWARD_INSTANTIATE(RLX_INSTANTIATE_RECURRENT)
 
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END

@@ -11,6 +11,7 @@
 #include "gated_delta_common.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // Column stride of the backward's column-major scratch states: K rounded up to a vector,
@@ -227,4 +228,5 @@ inline int64_t backward_block_columns(int64_t V, int64_t ld) {
 }
 
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

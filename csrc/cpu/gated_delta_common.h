@@ -43,13 +43,14 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
 #include "rlx/acc_type.h"
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
+#include "cpu_isa.h"
 #include "huge_pages.h"
 #include "l2norm_row.h"
 #include "vec.h"
@@ -68,6 +69,7 @@ struct Views {
   acc_t l2norm_eps;
 };
 
+namespace RLX_ISA_NS {
 namespace {
 
 // The forward keeps its state block row-major ([K, nv], fla's layout): a block of columns is
@@ -188,7 +190,7 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
 // a cache miss the token loops wait on.
 template <typename acc_t>
 inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
-#if defined(__AVX__)
+#if RLX_ISA_AVX
   if constexpr (std::is_same_v<acc_t, float>) {
     _mm256_stream_ps(dst, reinterpret_cast<const __m256&>(x));
   } else {
@@ -240,4 +242,5 @@ inline Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, c
 }
 
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

@@ -1,11 +1,13 @@
 // Gated delta rule on the CPU, forward: one pass over the state per token, keeping a
 // checkpoint of the state every C tokens for the backward. Shared parts and the overview:
 // gated_delta_common.h.
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "gated_delta_common.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // Forward, one pass over the state per token. The state block is kept lazily decayed,
@@ -366,7 +368,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         store_state(&S[(vb - vb0) * K * BV], c.data(), v0, nv, ht + (n * HV + hv) * K * V);
       }
     }
-#if defined(__AVX__)
+#if RLX_ISA_AVX
     _mm_sfence();  // vw's streamed rows are visible before the parallel region ends
 #endif
   });
@@ -387,6 +389,8 @@ void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt)
     if (!used[s]) ckpt[s].zero_();
   }
 }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
@@ -427,9 +431,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   return {o, ht, ckpt, vw};
 }
 
-}  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx, gated_delta_fwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_fwd", &rlx::gated_delta_fwd_cpu);
+  m.impl("gated_delta_fwd", RLX_ISA_PICK(rlx, gated_delta_fwd_cpu));
 }
+#endif

@@ -1,20 +1,13 @@
 // fla's l2norm over the last dim, y = x / sqrt(sum(x^2) + eps), as one native op per
 // direction: q and k are normalized with 2 parallel regions instead of a dozen small ops.
 // Accumulates in float32 (float64 for float64 input); y keeps x's dtype.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
-#include <algorithm>
-#include <cmath>
-#include <type_traits>
-
-#include "huge_pages.h"
+RLX_ISA_BEGIN
 #include "l2norm_row.h"
-#include "rlx/acc_type.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 void check_x(const char* op, const at::Tensor& x) {
@@ -28,6 +21,8 @@ void check_x(const char* op, const at::Tensor& x) {
 // Rows per task: about 64K elements (256 KiB of float32), enough to amortize waking a
 // thread; q/k of the benchmark's small shape (512K elements) took 0.3 ms on one thread.
 int64_t grain(int64_t D) { return std::max<int64_t>(1, (int64_t(1) << 16) / D); }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double eps) {
   check_x("rlx::gated_delta_l2norm_fwd", x_in);
@@ -97,10 +92,16 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
   return dx;
 }
 
-}  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx, l2norm_fwd_cpu)
+RLX_ISA_DECLARE_AVX2(rlx, l2norm_bwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_l2norm_fwd", &rlx::l2norm_fwd_cpu);
-  m.impl("gated_delta_l2norm_bwd", &rlx::l2norm_bwd_cpu);
+  m.impl("gated_delta_l2norm_fwd", RLX_ISA_PICK(rlx, l2norm_fwd_cpu));
+  m.impl("gated_delta_l2norm_bwd", RLX_ISA_PICK(rlx, l2norm_bwd_cpu));
 }
+#endif

@@ -8,19 +8,25 @@
 #include <cstdint>
 #include <cstring>
 
-// Every function here has internal linkage, so the ABI note GCC gives for passing such
-// vectors in a build without AVX (RLX_AVX2=0) does not apply.
-#if defined(__GNUC__) && !defined(__clang__)
+#include "cpu_isa.h"
+
+// Every function here has internal linkage, so the ABI note GCC and clang give for passing
+// such vectors without AVX (the baseline copy, cpu_isa.h) does not apply.
+#if defined(__GNUC__) || defined(__clang__)
 #pragma GCC diagnostic ignored "-Wpsabi"
 #endif
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
-// N lanes of T.
+// N lanes of T, aligned to their size in every copy: GCC otherwise aligns a 32-byte vector
+// to 16 bytes outside an AVX target (in the baseline copy, and in the baseline code of
+// std::allocator or a struct layout that the AVX2 copy also uses), while the AVX2 copy's
+// aligned moves assume 32.
 template <typename T, int N>
 struct VecOf {
-  typedef T type __attribute__((vector_size(N * sizeof(T))));
+  typedef T type __attribute__((vector_size(N * sizeof(T)), aligned(N * sizeof(T))));
 };
 template <typename T, int N>
 using Vec = typename VecOf<T, N>::type;
@@ -52,4 +58,5 @@ inline T hsum(const Vec256<T>& x) {
 }
 
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
