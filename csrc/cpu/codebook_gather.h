@@ -14,7 +14,7 @@
 // reported (the caller raises); the kernels never read outside the codebook.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <rlx/codebook.h>

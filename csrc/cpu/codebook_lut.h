@@ -3,7 +3,7 @@
 // the algorithm.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <rlx/acc_type.h>

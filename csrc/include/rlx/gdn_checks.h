@@ -2,7 +2,7 @@
 // that all of them reject bad input with the same messages (which name the argument).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
