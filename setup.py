@@ -165,6 +165,83 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     return {"cxx": cxx, "link": link}
 
 
+PCH_HEADER = os.path.join("csrc", "cpu", "torch_headers.h")
+
+
+def pch_flags(compiler: str, system: str, pch_path: str | None) -> list[str]:
+    """The flags that make every C++ file start from the precompiled torch headers
+    (csrc/cpu/torch_headers.h), or none: GCC on Linux only (clang's -include-pch takes a
+    different file format and flag; those builds parse the headers in each file as before),
+    and only once the precompiled header was built (pch_path, the header's copy beside it).
+
+    >>> pch_flags("gcc", "linux", "/b/pch/torch_headers.h")
+    ['-include', '/b/pch/torch_headers.h', '-Winvalid-pch']
+    >>> pch_flags("clang", "darwin", "/b/pch/torch_headers.h")
+    []
+    """
+    if compiler != "gcc" or not system.startswith("linux") or not pch_path:
+        return []
+    # -Winvalid-pch: a precompiled header that no longer matches the flags says so (the build
+    # then parses the header as usual and stays correct).
+    return ["-include", pch_path, "-Winvalid-pch"]
+
+
+def _build_pch(cmd: list[str], header: str, out_dir: str) -> str | None:
+    """Precompiles header with the compile command cmd (every flag a source gets, no source)
+    into out_dir, unless the copy there was built by the same command; returns the path of the
+    header's copy beside its .gch, or None when the compiler fails (the build goes on without)."""
+    os.makedirs(out_dir, exist_ok=True)
+    copy = os.path.join(out_dir, os.path.basename(header))
+    gch, stamp = copy + ".gch", copy + ".cmd"
+    text = open(header).read()
+    signature = "\n".join(cmd) + "\n" + text
+    if os.path.exists(gch) and os.path.exists(stamp) and open(stamp).read() == signature:
+        return copy
+    with open(copy, "w") as f:
+        f.write(text)
+    print(f"precompiling {header} (the torch headers every C++ file includes)", flush=True)
+    result = subprocess.run([*cmd, "-x", "c++-header", copy, "-o", gch])
+    if result.returncode != 0:
+        print(f"warning: precompiling {header} failed; compiling without it", flush=True)
+        return None
+    with open(stamp, "w") as f:
+        f.write(signature)
+    return copy
+
+
+class _BuildExtension(BuildExtension):
+    """torch's BuildExtension (ninja), plus the precompiled torch headers on GCC (pch_flags)."""
+
+    def build_extension(self, ext):
+        ninja_compile = self.compiler.compile  # BuildExtension's ninja wrapper
+        family = compiler_family(os.environ.get("CXX", "c++"))
+        if (os.getenv("RLX_PCH", "1") == "0" or not pch_flags(family, sys.platform, "-")
+                or not isinstance(ext.extra_compile_args, dict)):
+            return super().build_extension(ext)
+
+        def compile_with_pch(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                             extra_preargs=None, extra_postargs=None, depends=None):
+            # The command BuildExtension's ninja rule runs for a C++ source, less -c/-o: the
+            # precompiled header is used only where every flag matches.
+            _, _, _, pp_opts, _ = self.compiler._setup_compile(
+                output_dir, macros, include_dirs, [], depends, extra_postargs)
+            cflags = self.compiler.compiler_so[1:] + self.compiler._get_cc_args(
+                pp_opts, debug, extra_preargs)
+            post = list(extra_postargs["cxx"])
+            cmd = [*os.environ.get("CXX", "c++").split(), *cflags, *post]
+            pch = _build_pch(cmd, os.path.join(ROOT, PCH_HEADER),
+                             os.path.join(os.path.abspath(output_dir), "pch"))
+            postargs = dict(extra_postargs, cxx=post + pch_flags(family, sys.platform, pch))
+            return ninja_compile(sources, output_dir, macros, include_dirs, debug,
+                                 extra_preargs, postargs, depends)
+
+        self.compiler.compile = compile_with_pch
+        try:
+            return super().build_extension(ext)
+        finally:
+            self.compiler.compile = ninja_compile
+
+
 def _use_cuda() -> bool:
     if os.getenv("RLX_CUDA", "1") == "0" or torch.version.cuda is None or CUDA_HOME is None:
         return False
@@ -215,5 +292,5 @@ if __name__ == "__main__":  # setuptools runs this file as __main__ (setup.py an
     _write_build_info()
     setup(
         ext_modules=[_extension()],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     )

@@ -5,6 +5,7 @@ import glob
 import importlib.util
 import os
 import platform
+import subprocess
 import sys
 import tarfile
 
@@ -208,3 +209,48 @@ def test_release_builds_carry_no_debug_info(rlx_setup):
     assert "-g0" in release and "-g" not in release
     assert "-g" in debug and "-g0" not in debug
     assert "-g" in sanitize and "-g0" not in sanitize
+
+
+def test_precompiled_torch_headers_only_with_gcc_on_linux(rlx_setup):
+    assert rlx_setup.pch_flags("gcc", "linux", "/b/pch/torch_headers.h") == [
+        "-include", "/b/pch/torch_headers.h", "-Winvalid-pch"]
+    # clang (macOS, the Linux clang check) and a failed precompile: each file parses the headers
+    assert rlx_setup.pch_flags("clang", "darwin", "/b/pch/torch_headers.h") == []
+    assert rlx_setup.pch_flags("clang", "linux", "/b/pch/torch_headers.h") == []
+    assert rlx_setup.pch_flags("gcc", "linux", None) == []
+    # the header is the one the kernel files include, and it guards itself by macro: the
+    # precompiled copy is included under another path, where #pragma once would not match
+    text = open(os.path.join(ROOT, rlx_setup.PCH_HEADER)).read()
+    assert "#ifndef RLX_CPU_TORCH_HEADERS_H" in text
+    assert not any(line.startswith("#pragma once") for line in text.splitlines())
+    deps = open(os.path.join(ROOT, "csrc", "cpu", "cpu_kernel_deps.h")).read()
+    assert '#include "torch_headers.h"' in deps
+
+
+def test_precompiled_header_is_built_once_per_command_and_used(rlx_setup, tmp_path):
+    cxx = os.environ.get("CXX", "c++")
+    if rlx_setup.compiler_family(cxx) != "gcc":  # Apple's c++ is clang: no precompiled header
+        assert rlx_setup.pch_flags(rlx_setup.compiler_family(cxx), sys.platform, "/h.h") == []
+        return
+    header = tmp_path / "h.h"
+    header.write_text("#ifndef H_H\n#define H_H\ninline int answer() { return 42; }\n#endif\n")
+    out = tmp_path / "pch"
+    cmd = [*cxx.split(), "-O2", "-std=c++17"]
+    copy = rlx_setup._build_pch(cmd, str(header), str(out))
+    gch = out / "h.h.gch"
+    assert copy == str(out / "h.h") and gch.exists()
+    first = gch.stat().st_mtime_ns
+    assert rlx_setup._build_pch(cmd, str(header), str(out)) == copy
+    assert gch.stat().st_mtime_ns == first  # same command and text: not rebuilt
+    # a file compiled with the same flags uses it (-Winvalid-pch -Werror: no silent fallback)
+    src = tmp_path / "a.cpp"
+    src.write_text('#include "h.h"\nint main() { return answer() == 42 ? 0 : 1; }\n')
+    exe = tmp_path / "a"
+    run = subprocess.run([*cmd, *rlx_setup.pch_flags("gcc", sys.platform, copy), "-Werror",
+                          "-H", str(src), "-o", str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    assert "h.h.gch" in run.stderr  # -H names the precompiled header it read
+    assert subprocess.run([str(exe)]).returncode == 0
+    # other flags: rebuilt for them
+    assert rlx_setup._build_pch([*cmd, "-DX=1"], str(header), str(out)) == copy
+    assert gch.stat().st_mtime_ns != first

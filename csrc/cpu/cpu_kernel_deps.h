@@ -4,26 +4,9 @@
 // inline functions is compiled with the region's target.
 #pragma once
 
-// The tensor class and the few ATen ops the kernels call, not <ATen/ATen.h> (every op's
-// header: most of a kernel file's compile time). TORCH_LIBRARY_IMPL's <torch/library.h>:
-// in the baseline copy only (cpu_isa.h), which registers the ops.
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/TensorOperators.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/ops/baddbmm.h>
-#include <ATen/ops/bmm.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_like.h>
-#include <ATen/ops/isfinite.h>
-#include <ATen/ops/mm.h>
-#include <ATen/ops/zeros.h>
-#include <c10/util/BFloat16.h>
-#include <c10/util/Exception.h>
-#include <c10/util/Half.h>
-#if !defined(RLX_ISA_AVX2_COPY)
-#include <torch/library.h>
-#endif
+// The tensor class, at::parallel_for, the dispatch macros, the ATen ops the host code calls
+// and <torch/library.h> (precompiled on GCC: setup.py).
+#include "torch_headers.h"
 
 #include <algorithm>
 #include <array>

@@ -14,10 +14,7 @@
 // the same meaning on every CPU (float32 sums, one rounding to bf16);
 // `rlx::symmetric_matmul_is_native` tells callers whether it pays.
 // Accumulation is float32 (as in oneDNN's bf16 GEMM); each output is rounded to bf16 once.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "torch_headers.h"
 
 #include <algorithm>
 #include <cstdint>
