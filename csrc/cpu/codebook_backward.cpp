@@ -48,7 +48,7 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
       const acc_t gv = gT[j];
       for (int64_t gm = 0; gm < steps; ++gm) dL[gm * E + ip[gm]] += gv;
     } else {
-      using V = Vec256<acc_t>;
+      using V = SimdVec<acc_t>;
       constexpr int W = kVecLanes<acc_t>, NV = BT / W;
       V gv[NV];
       for (int v = 0; v < NV; ++v) gv[v] = load_vec(gT + j * BT + v * W);
@@ -63,7 +63,7 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
 // sum_i a[i] * b[i] with W independent lanes, reduced in a fixed order.
 template <typename acc_t>
 acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
-  using V = Vec256<acc_t>;
+  using V = SimdVec<acc_t>;
   constexpr int W = kVecLanes<acc_t>;
   V s = {};
   int64_t i = 0;
@@ -102,7 +102,7 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
         out[t] = static_cast<scalar_t>(sum);
       }
     } else {
-      using V = Vec256<acc_t>;
+      using V = SimdVec<acc_t>;
       constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
       int64_t t0 = 0;
       // TT entry coordinates at once: TT*NV independent FMA chains per dL row load.
@@ -144,7 +144,7 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
         for (int64_t t = 0; t < D; ++t) wide[mc * D + t] += v * xT[g * D + t];
       }
   } else {
-    using V = Vec256<acc_t>;
+    using V = SimdVec<acc_t>;
     constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
     for (int64_t mc = 0; mc < M * E; ++mc) {
       for (int64_t t0 = 0; t0 < D; t0 += TT) {

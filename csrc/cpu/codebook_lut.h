@@ -108,7 +108,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
         }
       } else {
-        using V = Vec256<acc_t>;
+        using V = SimdVec<acc_t>;
         constexpr int W = kVecLanes<acc_t>, NV = BT / W;
         static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
         // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
@@ -211,7 +211,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       acc[j - j0] = a;
     }
   } else {
-    using V = Vec256<acc_t>;
+    using V = SimdVec<acc_t>;
     constexpr int W = kVecLanes<acc_t>, NV = BT / W;
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {

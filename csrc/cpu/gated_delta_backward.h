@@ -42,7 +42,7 @@ void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, con
 
 namespace {
 
-// n zeroed vectors on the heap, aligned for them. (Not std::vector<Vec256<acc_t>>: GCC drops
+// n zeroed vectors on the heap, aligned for them. (Not std::vector<SimdVec<acc_t>>: GCC drops
 // a vector type's attributes in a template argument, and outside an AVX target it aligns a
 // 32-byte vector to 16 bytes, so the baseline std::allocator would hand the AVX2 copy's
 // aligned moves 16-byte-aligned memory.)
@@ -50,17 +50,17 @@ template <typename acc_t>
 class VecArray {
  public:
   explicit VecArray(size_t n)
-      : p_(static_cast<Vec256<acc_t>*>(::operator new(n * sizeof(Vec256<acc_t>), kAlign))) {
-    for (size_t i = 0; i < n; ++i) p_[i] = Vec256<acc_t>{};
+      : p_(static_cast<SimdVec<acc_t>*>(::operator new(n * sizeof(SimdVec<acc_t>), kAlign))) {
+    for (size_t i = 0; i < n; ++i) p_[i] = SimdVec<acc_t>{};
   }
   ~VecArray() { ::operator delete(p_, kAlign); }
   VecArray(const VecArray&) = delete;
   VecArray& operator=(const VecArray&) = delete;
-  Vec256<acc_t>* data() const { return p_; }
+  SimdVec<acc_t>* data() const { return p_; }
 
  private:
   static constexpr std::align_val_t kAlign{32};
-  Vec256<acc_t>* p_;
+  SimdVec<acc_t>* p_;
 };
 
 // Prefetch distance (tokens) of the loops that do O(K) work per token (kPrefetchTokens:
@@ -89,8 +89,8 @@ inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, 
 // the backward in a profile. An empty asm on the value keeps them inline vector moves.
 template <typename vec>
 inline vec opaque(vec x) {
-#if RLX_ISA_AVX
-  asm("" : "+x"(x));
+#if defined(__x86_64__) || defined(_M_X64)
+  asm("" : "+x"(x));  // one xmm (baseline) or ymm (AVX2 copy) register
 #elif defined(__aarch64__) && defined(__clang__)
   // NEON registers hold 128 bits: each half goes through one. (GCC's aarch64 port would spill
   // the halves through the stack, so it gets no barrier.)
@@ -105,15 +105,15 @@ inline vec opaque(vec x) {
 }
 
 // Row-major [K, V] state -> column-major [V, K] scratch with column stride ld >= K. Float
-// states go through 8 x 8 tiles transposed in registers (the scalar loop's strided stores
+// states go through 8 x 8 tiles transposed in registers where a vector holds 8 floats (the scalar loop's strided stores
 // took 3% of the backward in a profile).
 template <typename acc_t>
 inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, int64_t ld,
                            acc_t* __restrict dst) {
   int64_t K8 = 0, V8 = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if RLX_VEC_BYTES == 32 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = Vec256<float>;
+    using vec = SimdVec<float>;
     K8 = K / 8 * 8;
     V8 = V / 8 * 8;
     for (int64_t r0 = 0; r0 < K8; r0 += 8) {
@@ -148,7 +148,7 @@ inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, in
 // dst[0, n) = src, or += src, in vector moves (see opaque).
 template <bool kAdd, typename acc_t>
 inline void put_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t r = 0;
   for (; r + L <= n; r += L) {
     store_vec(dst + r, kAdd ? load_vec(dst + r) + load_vec(src + r) : opaque(load_vec(src + r)));

@@ -110,7 +110,7 @@ struct ChunkedScratch {
 template <typename in_t, typename acc_t>
 class ChunkedBackward {
  public:
-  static constexpr int64_t L = 32 / sizeof(acc_t), Cs = kCs, CC = kCC;
+  static constexpr int64_t L = kVecLanes<acc_t>, Cs = kCs, CC = kCC;
 
   ChunkedBackward(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                   const acc_t* vw_saved, const in_t* grad_o, const acc_t* grad_ht,
@@ -421,7 +421,7 @@ class ChunkedBackward {
   // - b_t du_t . v_t and phi_{t-1} = psi_t (see the top of this file); go_t . o_t = q_t . dq_t.
   void write_dg_dbeta(const SubChunk<acc_t>& sb, int64_t s0, int64_t hv, double phi,
                       const acc_t* dqr) {
-    Vec256<acc_t>* const lanes = lanes_.data();
+    SimdVec<acc_t>* const lanes = lanes_.data();
     acc_t *const sums = s_.sums, *const du = s_.du;
     for (int64_t t = 0; t < Cs; ++t) {
       lanes[2 * Cs + t] = dot_lanes(Vp, du + t * Vp, sb.vw + t * Vp);
@@ -483,7 +483,7 @@ class ChunkedBackward {
   // l2norm's backward from the normalized rows y = r x at hand (qs, kc):
   // dx = r (dy - y (y . dy)), in place on the dq and dk rows.
   void l2norm_backward_rows(const SubChunk<acc_t>& sb, acc_t* dqr, acc_t* dkr) {
-    Vec256<acc_t>* const lanes = lanes_.data();
+    SimdVec<acc_t>* const lanes = lanes_.data();
     acc_t* const sums = s_.sums;
     for (int64_t t = 0; t < Cs; ++t) {
       lanes[t] = dot_lanes(Kp, s_.qs + t * Kp, dqr + t * Kp);

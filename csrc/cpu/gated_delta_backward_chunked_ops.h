@@ -25,7 +25,7 @@ template <int64_t MR, int64_t NV, typename acc_t>
 inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
                       const acc_t* __restrict B, int64_t ldb, acc_t* C, int64_t ldc,
                       const acc_t* rs, const acc_t* X, acc_t cs) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec c[MR][NV];
   for (int64_t m = 0; m < MR; ++m) {
@@ -55,7 +55,7 @@ template <int64_t MR, typename acc_t>
 inline void gemm_cols(int64_t P, int64_t N, const acc_t* A, int64_t lda, const acc_t* B,
                       int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, const acc_t* X,
                       acc_t cs) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t j = 0;
   for (; j + 2 * L <= N; j += 2 * L) {
     gemm_tile<MR, 2>(P, A, lda, B + j, ldb, C + j, ldc, rs, X ? X + j : X, cs);
@@ -96,7 +96,7 @@ inline void gemm(int64_t M, int64_t N, int64_t P, const acc_t* A, int64_t lda, c
 // out[0, n) = c x y elementwise, n a multiple of the vector length.
 template <typename acc_t>
 inline void hadamard(int64_t n, const acc_t* x, const acc_t* y, acc_t* out, acc_t c = 1) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   for (int64_t i = 0; i < n; i += L) store_vec(out + i, c * (load_vec(x + i) * load_vec(y + i)));
 }
 
@@ -114,22 +114,24 @@ inline double dot_f64(int64_t n, const acc_t* x, const acc_t* y) {
   if constexpr (std::is_same_v<acc_t, double>) {
     return dot(n, x, y);
   } else {
-    typedef float v4f __attribute__((vector_size(16)));
-    using vd = Vec256<double>;
+    // L floats widened to one vector of L doubles, four vectors at a time.
+    constexpr int64_t L = kVecLanes<double>;
+    using vd = SimdVec<double>;
+    using vf = Vec<float, L>;
     vd acc[4] = {};
     int64_t i = 0;
-    for (; i + 16 <= n; i += 16) {
+    for (; i + 4 * L <= n; i += 4 * L) {
       for (int64_t m = 0; m < 4; ++m) {
-        v4f a, b;
-        std::memcpy(&a, x + i + 4 * m, sizeof(a));
-        std::memcpy(&b, y + i + 4 * m, sizeof(b));
+        vf a, b;
+        std::memcpy(&a, x + i + L * m, sizeof(a));
+        std::memcpy(&b, y + i + L * m, sizeof(b));
         acc[m] += __builtin_convertvector(a, vd) * __builtin_convertvector(b, vd);
       }
     }
     const vd t = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     double tail = 0;
     for (; i < n; ++i) tail += double(x[i]) * double(y[i]);
-    return ((t[0] + t[1]) + (t[2] + t[3])) + tail;
+    return hsum<double>(t) + tail;
   }
 }
 
@@ -159,7 +161,7 @@ inline void load_rows(const in_t* base, int64_t tok0, int64_t n, int64_t rows, i
 // on the store of the one before.
 template <int64_t n, typename acc_t>
 inline void unit_lower_inverse(const acc_t* __restrict M, acc_t* __restrict X) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t), NV = n / L;
   for (int64_t i = 0; i < n; ++i) {
     vec x0[NV] = {}, x1[NV] = {};

@@ -51,9 +51,9 @@ struct RecurrentScratch {
 template <typename in_t, typename acc_t>
 class RecurrentBackward {
  public:
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   using ivec = decltype(vec{} < vec{});  // comparison masks
-  static constexpr int64_t L = 32 / sizeof(acc_t);
+  static constexpr int64_t L = kVecLanes<acc_t>;
 
   RecurrentBackward(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
                     const in_t* grad_o, const acc_t* grad_ht, const GdnBackwardLayout& lay,

@@ -20,7 +20,7 @@ namespace {
 // miss L1 on almost every access (the K = 128 backward ran 13x the forward's time).
 template <typename acc_t>
 inline int64_t padded_column_stride(int64_t K) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   const int64_t ld = (K + L - 1) / L * L;
   return (ld * int64_t(sizeof(acc_t))) % 128 == 0 ? ld + L : ld;
 }
@@ -30,7 +30,7 @@ inline int64_t padded_column_stride(int64_t K) {
 // chain per lane, then a scalar sum) the two rows per token took 7% of the backward.
 template <typename in_t, typename acc_t>
 inline void l2norm_backward_inplace(const in_t* x, acc_t r, int64_t K, acc_t* dy) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
     if (K % L == 0) {
@@ -58,8 +58,8 @@ inline void recompute_rows(const acc_t* __restrict src, acc_t* __restrict dst, i
                            int64_t V, int64_t ld, const acc_t* __restrict a,
                            const acc_t* __restrict kv, const acc_t* __restrict f,
                            const acc_t* __restrict u, const acc_t* pf,
-                           Vec256<acc_t>* __restrict w_part) {
-  using vec = Vec256<acc_t>;
+                           SimdVec<acc_t>* __restrict w_part) {
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec a8[NR], k8[NR], f8[NR];
   for (int64_t m = 0; m < NR; ++m) {
@@ -90,9 +90,9 @@ template <typename acc_t>
                                      int64_t Kp, int64_t V, int64_t ld,
                                      const acc_t* __restrict a, const acc_t* __restrict kv,
                                      const acc_t* __restrict f, const acc_t* __restrict u,
-                                     const acc_t* pf, Vec256<acc_t>* __restrict w_part) {
-  constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
-  const Vec256<acc_t> zero = opaque(Vec256<acc_t>{});
+                                     const acc_t* pf, SimdVec<acc_t>* __restrict w_part) {
+  constexpr int64_t L = sizeof(SimdVec<acc_t>) / sizeof(acc_t);
+  const SimdVec<acc_t> zero = opaque(SimdVec<acc_t>{});
   for (int64_t j = 0; j < V; ++j) w_part[j] = zero;
   int64_t rb = 0;
   for (; rb + 2 * L <= Kp; rb += 2 * L) {
@@ -105,8 +105,8 @@ template <typename acc_t>
 template <typename acc_t>
 [[gnu::noinline]] void project_columns(const acc_t* __restrict src, int64_t Kp, int64_t V,
                                       int64_t ld, const acc_t* __restrict f,
-                                      Vec256<acc_t>* __restrict w_part) {
-  using vec = Vec256<acc_t>;
+                                      SimdVec<acc_t>* __restrict w_part) {
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   const vec zero = opaque(vec{});
   for (int64_t j = 0; j < V; ++j) w_part[j] = zero;
@@ -154,8 +154,8 @@ inline void reverse_rows(const acc_t* __restrict Sp, acc_t* __restrict dS, int64
                          const acc_t* __restrict go, const acc_t* __restrict u,
                          const acc_t* __restrict dw, bool first, const acc_t* pf,
                          acc_t* __restrict dq, acc_t* __restrict dkA, acc_t* __restrict dkB,
-                         acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
-  using vec = Vec256<acc_t>;
+                         acc_t* __restrict dg, SimdVec<acc_t>* __restrict z) {
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec q8[NR], k8[NR], kp8[NR], ren8[NR], dq8[NR] = {}, dkA8[NR] = {}, dkB8[NR] = {},
       dg8[NR] = {};
@@ -207,9 +207,9 @@ template <bool kRenorm, bool kChannelGate, typename acc_t>
                                    const acc_t* __restrict u, const acc_t* __restrict dw,
                                    bool first, const acc_t* pf, acc_t* __restrict dq,
                                    acc_t* __restrict dkA, acc_t* __restrict dkB,
-                                   acc_t* __restrict dg, Vec256<acc_t>* __restrict z) {
-  constexpr int64_t L = sizeof(Vec256<acc_t>) / sizeof(acc_t);
-  const Vec256<acc_t> zero = opaque(Vec256<acc_t>{});
+                                   acc_t* __restrict dg, SimdVec<acc_t>* __restrict z) {
+  constexpr int64_t L = sizeof(SimdVec<acc_t>) / sizeof(acc_t);
+  const SimdVec<acc_t> zero = opaque(SimdVec<acc_t>{});
   for (int64_t j = 0; j < V; ++j) z[j] = zero;
   int64_t rb = 0;
   for (; rb + 2 * L <= Kp; rb += 2 * L) {
@@ -228,7 +228,7 @@ template <bool kRenorm, bool kChannelGate, typename acc_t>
 // 12.2-13.3 ms, 8 columns 14.5-14.8, 24 columns 13.9-17.4, all 64 columns 15.4-16.8.
 template <typename acc_t>
 inline int64_t backward_block_columns(int64_t V, int64_t ld) {
-  constexpr int64_t L = 32 / sizeof(acc_t), kBlockBytes = 4608;
+  constexpr int64_t L = kVecLanes<acc_t>, kBlockBytes = 4608;
   const int64_t bv = kBlockBytes / (ld * int64_t(sizeof(acc_t))) / L * L;
   return std::min(V, std::max(L, bv));
 }

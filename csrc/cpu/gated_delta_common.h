@@ -98,17 +98,17 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
   }
 }
 
-// out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
+// out[j] = the sum of x[j]'s lanes, j < n. Eight 8-float vectors at a time are reduced by a
 // transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
 // instructions per column for hsum (the backward reduces 2 V columns per token; in-process
 // A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
 // Fixed order, so still reproducible.
 template <typename acc_t>
-inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
+inline void hsum_columns(const SimdVec<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
   int64_t j = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if RLX_VEC_BYTES == 32 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = Vec256<float>;
+    using vec = SimdVec<float>;
     auto pair = [](const vec& a, const vec& b) {
       return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
              __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
@@ -130,8 +130,8 @@ inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __
 
 // sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
 template <typename acc_t>
-inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
-  using vec = Vec256<acc_t>;
+inline SimdVec<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec s0 = {}, s1 = {};
   int64_t i = 0;
@@ -150,7 +150,7 @@ inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t
 template <typename in_t, typename acc_t>
 inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K, acc_t eps,
                              acc_t* out) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
     if (K % L == 0) {
@@ -189,7 +189,7 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
 // written once and read by no one soon, which would otherwise first be read for ownership,
 // a cache miss the token loops wait on.
 template <typename acc_t>
-inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
+inline void stream_vec(acc_t* dst, const SimdVec<acc_t>& x) {
 #if RLX_ISA_AVX
   if constexpr (std::is_same_v<acc_t, float>) {
     _mm256_stream_ps(dst, reinterpret_cast<const __m256&>(x));
@@ -199,7 +199,7 @@ inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
 #elif defined(__aarch64__) && defined(__clang__)
   // One STNP of two q registers (Apple silicon's compiler is clang; GCC has no such builtin).
   // Arm orders it like any store, so unlike x86's streaming stores it needs no fence.
-  __builtin_nontemporal_store(x, reinterpret_cast<Vec256<acc_t>*>(dst));
+  __builtin_nontemporal_store(x, reinterpret_cast<SimdVec<acc_t>*>(dst));
 #else
   store_vec(dst, x);
 #endif
@@ -208,7 +208,7 @@ inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
 // dst[0, n) = src, streamed (stream_vec) when dst is vector-aligned.
 template <typename acc_t>
 inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t i = 0;
   if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
     for (; i + L <= n; i += L) stream_vec(dst + i, load_vec(src + i));

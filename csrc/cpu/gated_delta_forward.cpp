@@ -37,7 +37,7 @@ template <int64_t NV, bool kRenorm, typename acc_t>
 inline void fused_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                              const TokenCoeffs<acc_t>& cf, const acc_t* __restrict u,
                              acc_t* __restrict o, acc_t* __restrict w) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec uu[NV], out[NV], wn[NV];
   for (int64_t n = 0; n < NV; ++n) {
@@ -81,7 +81,7 @@ inline void fused_rows_column(acc_t* S, int64_t K, int64_t ld, const TokenCoeffs
 template <bool kRenorm, typename acc_t>
 inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>& cf,
                        const acc_t* u, acc_t* o, acc_t* w) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t j = 0;
   for (; j + 4 * L <= nv; j += 4 * L) {
     fused_rows_block<4, kRenorm>(S + j, K, nv, cf, u + j, o + j, w + j);
@@ -101,7 +101,7 @@ inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>
 template <typename in_t, typename acc_t>
 inline void residual_row(const in_t* __restrict vt, const acc_t* __restrict w, acc_t b,
                          int64_t nv, acc_t* __restrict u, acc_t* __restrict vw, bool streamed) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   int64_t j = 0;
   for (; j + L <= nv; j += L) {
@@ -156,7 +156,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
   }
   const int64_t nvb = (V + BV - 1) / BV;
   // vw rows are vector-aligned (BV is a multiple of 8) when V is a multiple of a vector.
-  const bool vw_streamed = V % (32 / int64_t(sizeof(acc_t))) == 0 &&
+  const bool vw_streamed = V % (int64_t(kVecLanes<acc_t>)) == 0 &&
                            reinterpret_cast<uintptr_t>(vw_out) % 32 == 0;
   // A task runs a group of a head's column blocks over chunks of TC tokens: the per-token
   // row factors (and the strided q/k rows they come from) are computed once per chunk and
