@@ -97,6 +97,14 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   const bool has_vw = vw_in.has_value() && vw_in->numel() > 0;
   gdn_check_checkpoint_tag(op, checkpoints,
                            gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
+  if (p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16) {
+    // As in the forward: 16-bit q, k, v and grad_o go through the float32 kernels on float32
+    // copies (the kernels widen every element they read; the gradients are float32 anyway).
+    return gated_delta_bwd_cpu(q_in.to(at::kFloat), k_in.to(at::kFloat), v_in.to(at::kFloat),
+                               g_in, beta_in, scale, initial_state, cu_seqlens, checkpoints,
+                               grad_o_in.to(at::kFloat), grad_final_state, chunk_size, l2norm_eps,
+                               vw_in);
+  }
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), grad_o = grad_o_in.contiguous();
@@ -109,8 +117,7 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
   // Every slice is fully written (the first value head of a group assigns dq/dk).
   at::Tensor buf = at::empty({lay.total}, q.options().dtype(p.acc_dtype));
   advise_huge_pages(buf);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_bwd",
-                                  [&] {
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_bwd", [&] {
     using acc_t = acc_type_t<scalar_t>;
     const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;

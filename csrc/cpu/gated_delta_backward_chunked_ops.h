@@ -131,7 +131,9 @@ inline double dot_f64(int64_t n, const acc_t* x, const acc_t* y) {
     const vd t = (acc[0] + acc[1]) + (acc[2] + acc[3]);
     double tail = 0;
     for (; i < n; ++i) tail += double(x[i]) * double(y[i]);
-    return hsum<double>(t) + tail;
+    double sum = 0;  // the lanes in pairs: (t0 + t1) + (t2 + t3) for four
+    for (int64_t l = 0; l < L; l += 2) sum += t[l] + t[l + 1];
+    return sum + tail;
   }
 }
 
