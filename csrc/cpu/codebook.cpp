@@ -19,16 +19,13 @@
 // Determinism: every output element is written by exactly one work item, in an order that does
 // not depend on the number of threads; dcodebook is reduced from per-block partials in a fixed
 // order. Half inputs accumulate in float32, float64 in float64.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "codebook_gather.h"
 #include "codebook_lut.h"
 
-namespace rlx::codebook::cpu {
-namespace {
-
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
                        const std::optional<at::Tensor>& scales,
                        const std::optional<at::Tensor>& bias) {
@@ -62,9 +59,13 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
   return out;
 }
 
-}  // namespace
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx::codebook::cpu, forward_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("codebook_matmul", &rlx::codebook::cpu::forward_cpu);
+  m.impl("codebook_matmul", RLX_ISA_PICK(rlx::codebook::cpu, forward_cpu));
 }
+#endif

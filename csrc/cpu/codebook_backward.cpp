@@ -1,19 +1,12 @@
 // CPU kernel for rlx::codebook_matmul_backward: lookup-table scatter for small batches,
 // dequantized weight tiles + GEMM for large ones (the algorithm is described in codebook.cpp).
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "codebook_gather.h"
 #include "codebook_lut.h"
 
-#include <algorithm>
-#include <array>
-#include <tuple>
-#include <vector>
-
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
 
 // Fixed (thread-count independent) partition of the groups into blocks: each block's
@@ -55,13 +48,13 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
       const acc_t gv = gT[j];
       for (int64_t gm = 0; gm < steps; ++gm) dL[gm * E + ip[gm]] += gv;
     } else {
-      using V = typename Vec<acc_t>::type;
-      constexpr int W = Vec<acc_t>::width, NV = BT / W;
+      using V = SimdVec<acc_t>;
+      constexpr int W = kVecLanes<acc_t>, NV = BT / W;
       V gv[NV];
-      for (int v = 0; v < NV; ++v) gv[v] = load_vec<V>(gT + j * BT + v * W);
+      for (int v = 0; v < NV; ++v) gv[v] = load_vec(gT + j * BT + v * W);
       for (int64_t gm = 0; gm < steps; ++gm) {
         acc_t* r = dL + (gm * E + ip[gm]) * BT;
-        for (int v = 0; v < NV; ++v) store_vec(r + v * W, load_vec<V>(r + v * W) + gv[v]);
+        for (int v = 0; v < NV; ++v) store_vec(r + v * W, load_vec(r + v * W) + gv[v]);
       }
     }
   }
@@ -70,11 +63,11 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
 // sum_i a[i] * b[i] with W independent lanes, reduced in a fixed order.
 template <typename acc_t>
 acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
-  using V = typename Vec<acc_t>::type;
-  constexpr int W = Vec<acc_t>::width;
+  using V = SimdVec<acc_t>;
+  constexpr int W = kVecLanes<acc_t>;
   V s = {};
   int64_t i = 0;
-  for (; i + W <= n; i += W) s += load_vec<V>(a + i) * load_vec<V>(b + i);
+  for (; i + W <= n; i += W) s += load_vec(a + i) * load_vec(b + i);
   acc_t total = 0;
   for (int k = 0; k < W; ++k) total += s[k];
   for (; i < n; ++i) total += a[i] * b[i];
@@ -109,8 +102,8 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
         out[t] = static_cast<scalar_t>(sum);
       }
     } else {
-      using V = typename Vec<acc_t>::type;
-      constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+      using V = SimdVec<acc_t>;
+      constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
       int64_t t0 = 0;
       // TT entry coordinates at once: TT*NV independent FMA chains per dL row load.
       for (; t0 < D; t0 += TT) {
@@ -121,7 +114,7 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
           const acc_t* ct = cbT + (m * D + t0) * E;
           for (int64_t c = 0; c < E; ++c) {
             V r[NV];
-            for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(rows + c * BT + v * W);
+            for (int v = 0; v < NV; ++v) r[v] = load_vec(rows + c * BT + v * W);
             for (int tt = 0; tt < TT; ++tt) {
               const acc_t w = tt < nt ? ct[tt * E + c] : acc_t(0);
               for (int v = 0; v < NV; ++v) a[tt][v] += w * r[v];
@@ -151,8 +144,8 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
         for (int64_t t = 0; t < D; ++t) wide[mc * D + t] += v * xT[g * D + t];
       }
   } else {
-    using V = typename Vec<acc_t>::type;
-    constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+    using V = SimdVec<acc_t>;
+    constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
     for (int64_t mc = 0; mc < M * E; ++mc) {
       for (int64_t t0 = 0; t0 < D; t0 += TT) {
         const int64_t nt = std::min<int64_t>(TT, D - t0);
@@ -161,16 +154,16 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
           if (skip(g, mc)) continue;
           const acc_t* row = dL + (g * M * E + mc) * BT;
           V r[NV];
-          for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(row + v * W);
+          for (int v = 0; v < NV; ++v) r[v] = load_vec(row + v * W);
           for (int tt = 0; tt < TT; ++tt) {
             if (tt >= nt) break;
             const acc_t* xr = xT + (g * D + t0 + tt) * BT;
-            for (int v = 0; v < NV; ++v) a[tt][v] += r[v] * load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) a[tt][v] += r[v] * load_vec(xr + v * W);
           }
         }
         for (int64_t tt = 0; tt < nt; ++tt) {
           acc_t* w = wide + (mc * D + t0 + tt) * BT;
-          for (int v = 0; v < NV; ++v) store_vec(w + v * W, load_vec<V>(w + v * W) + a[tt][v]);
+          for (int v = 0; v < NV; ++v) store_vec(w + v * W, load_vec(w + v * W) + a[tt][v]);
         }
       }
     }
@@ -230,6 +223,8 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   });
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
@@ -239,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   check_index_range(indices, d);
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
-  const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc_type = acc_dtype(x.scalar_type());
   auto g2d = grad_out.reshape({d.rows, d.out_features}).contiguous();
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
@@ -307,9 +302,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   return {dx, dC, ds, db};
 }
 
-}  // namespace
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx::codebook::cpu, backward_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("codebook_matmul_backward", &rlx::codebook::cpu::backward_cpu);
+  m.impl("codebook_matmul_backward", RLX_ISA_PICK(rlx::codebook::cpu, backward_cpu));
 }
+#endif

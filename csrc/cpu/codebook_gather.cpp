@@ -1,17 +1,13 @@
 // rlx::codebook_matmul and its backward for 16-bit indices on CPU: the gather kernels of
 // codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_lut.h) for large
 // ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include "cpu_kernel_deps.h"
 
+RLX_ISA_BEGIN
 #include "codebook_gather.h"
 
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
-
-at::ScalarType acc_type_of(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
   // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
@@ -41,7 +37,7 @@ at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
                              const std::optional<at::Tensor>& bias, const Dims& d) {
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
@@ -60,7 +56,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask, const Dims& d) {
   const auto skipped = [&] { return at::empty({0}, x.options()); };
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto g_acc = grad_out.reshape({d.rows, d.out_features}).to(acc).contiguous();
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
@@ -103,4 +99,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   return {dx, dC, ds, db};
 }
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END

@@ -3,9 +3,12 @@
 // the algorithm.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
 
+#include <rlx/acc_type.h>
 #include <rlx/codebook.h>
 
 #include <algorithm>
@@ -16,16 +19,11 @@
 #include <type_traits>
 #include <vector>
 
-namespace rlx::codebook::cpu {
+#include "vec.h"
 
-template <typename T>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
 // Fully unrolls a loop over a compile-time count, so that its vector accumulators stay in
 // registers (GCC otherwise keeps the arrays on the stack and copies them around).
@@ -93,26 +91,6 @@ void load_x_tile(const scalar_t* x, int64_t K, int64_t b0, int64_t nb, int64_t c
   }
 }
 
-// 256-bit vectors via the GCC/Clang vector extension: explicit vectors keep the BT-wide
-// accumulators in registers (the compiler scalarizes plain local arrays of this size).
-template <typename T>
-struct Vec {
-  typedef T type __attribute__((vector_size(32)));
-  static constexpr int width = 32 / sizeof(T);
-};
-
-template <typename V, typename T>
-inline V load_vec(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename V, typename T>
-inline void store_vec(T* p, const V& v) {
-  std::memcpy(p, &v, sizeof(V));
-}
-
 // L[g][m][c][b] for the ng groups held in xT ([ng*D][BT]).
 template <typename acc_t, int BT>
 void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* xT, int64_t ng,
@@ -130,8 +108,8 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
         }
       } else {
-        using V = typename Vec<acc_t>::type;
-        constexpr int W = Vec<acc_t>::width, NV = BT / W;
+        using V = SimdVec<acc_t>;
+        constexpr int W = kVecLanes<acc_t>, NV = BT / W;
         static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
         // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
         constexpr int CB = NV >= 8 ? 1 : 8 / NV;
@@ -143,7 +121,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t* xr = xT + (g * D + t) * BT;
             V xv[NV];
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) xv[v] = load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) xv[v] = load_vec(xr + v * W);
             RLX_UNROLL
             for (int q = 0; q < CB; ++q) {
               const acc_t w = entry[q * D + t];
@@ -163,7 +141,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t w = entry[t];
             const acc_t* xr = xT + (g * D + t) * BT;
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) a[v] += w * load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) a[v] += w * load_vec(xr + v * W);
           }
           RLX_UNROLL
           for (int v = 0; v < NV; ++v) store_vec(Lgm + c * BT + v * W, a[v]);
@@ -233,8 +211,8 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       acc[j - j0] = a;
     }
   } else {
-    using V = typename Vec<acc_t>::type;
-    constexpr int W = Vec<acc_t>::width, NV = BT / W;
+    using V = SimdVec<acc_t>;
+    constexpr int W = kVecLanes<acc_t>, NV = BT / W;
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {
       V a[JT][NV];
@@ -242,7 +220,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[q][v] = load_vec<V>(acc + (j + q - j0) * BT + v * W);
+        for (int v = 0; v < NV; ++v) a[q][v] = load_vec(acc + (j + q - j0) * BT + v * W);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
@@ -252,7 +230,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
         for (int q = 0; q < JT; ++q) {
           const acc_t* r = Lgm + ip[q][gm] * BT;
           RLX_UNROLL
-          for (int v = 0; v < NV; ++v) a[q][v] += load_vec<V>(r + v * W);
+          for (int v = 0; v < NV; ++v) a[q][v] += load_vec(r + v * W);
         }
       }
       RLX_UNROLL
@@ -263,12 +241,12 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
     for (; j < j1; ++j) {
       V a[NV];
       RLX_UNROLL
-      for (int v = 0; v < NV; ++v) a[v] = load_vec<V>(acc + (j - j0) * BT + v * W);
+      for (int v = 0; v < NV; ++v) a[v] = load_vec(acc + (j - j0) * BT + v * W);
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* r = L + (gm * E + ip[gm]) * BT;
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[v] += load_vec<V>(r + v * W);
+        for (int v = 0; v < NV; ++v) a[v] += load_vec(r + v * W);
       }
       RLX_UNROLL
       for (int v = 0; v < NV; ++v) store_vec(acc + (j - j0) * BT + v * W, a[v]);
@@ -472,4 +450,4 @@ inline void check_index_range(const at::Tensor& indices, const Dims& d) {
                     " (the number of codebook entries), found ", top);
 }
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS

@@ -1,19 +1,13 @@
 // fla's l2norm over the last dim, y = x / sqrt(sum(x^2) + eps), as one native op per
 // direction: q and k are normalized with 2 parallel regions instead of a dozen small ops.
 // Accumulates in float32 (float64 for float64 input); y keeps x's dtype.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
-#include <algorithm>
-#include <cmath>
-#include <type_traits>
-
-#include "huge_pages.h"
+RLX_ISA_BEGIN
 #include "l2norm_row.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 void check_x(const char* op, const at::Tensor& x) {
@@ -24,11 +18,11 @@ void check_x(const char* op, const at::Tensor& x) {
               ": x must be float16, bfloat16, float32 or float64, got ", t);
 }
 
-at::ScalarType acc_of(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
-
 // Rows per task: about 64K elements (256 KiB of float32), enough to amortize waking a
 // thread; q/k of the benchmark's small shape (512K elements) took 0.3 ms on one thread.
 int64_t grain(int64_t D) { return std::max<int64_t>(1, (int64_t(1) << 16) / D); }
+
+}  // namespace
 
 std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double eps) {
   check_x("rlx::gated_delta_l2norm_fwd", x_in);
@@ -37,9 +31,9 @@ std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cpu(const at::Tensor& x_in, double
   at::Tensor y = at::empty_like(x);
   advise_huge_pages(y);
   at::Tensor rstd =
-      at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc_of(x.scalar_type())));
+      at::empty(x.sizes().slice(0, x.dim() - 1), x.options().dtype(acc_dtype(x.scalar_type())));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_fwd", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_type_t<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
     acc_t* rp = rstd.data_ptr<acc_t>();
@@ -67,8 +61,8 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
               ": grad_y must have x's shape ", x_in.sizes(), " and dtype ", x_in.scalar_type(),
               ", got ", grad_in.scalar_type(), " ", grad_in.sizes());
   TORCH_CHECK(rstd_in.sizes() == x_in.sizes().slice(0, x_in.dim() - 1) &&
-                  rstd_in.scalar_type() == acc_of(x_in.scalar_type()),
-              op, ": rstd must be the ", acc_of(x_in.scalar_type()), " tensor of shape ",
+                  rstd_in.scalar_type() == acc_dtype(x_in.scalar_type()),
+              op, ": rstd must be the ", acc_dtype(x_in.scalar_type()), " tensor of shape ",
               x_in.sizes().slice(0, x_in.dim() - 1), " from gated_delta_l2norm_fwd, got ",
               rstd_in.scalar_type(), " ", rstd_in.sizes());
   const at::Tensor x = x_in.contiguous(), grad = grad_in.contiguous();
@@ -77,7 +71,7 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
   at::Tensor dx = at::empty_like(x);
   advise_huge_pages(dx);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "l2norm_bwd", [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+    using acc_t = acc_type_t<scalar_t>;
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* gp = grad.data_ptr<scalar_t>();
     const acc_t* rp = rstd.data_ptr<acc_t>();
@@ -98,10 +92,16 @@ at::Tensor l2norm_bwd_cpu(const at::Tensor& grad_in, const at::Tensor& x_in,
   return dx;
 }
 
-}  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx, l2norm_fwd_cpu)
+RLX_ISA_DECLARE_AVX2(rlx, l2norm_bwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_l2norm_fwd", &rlx::l2norm_fwd_cpu);
-  m.impl("gated_delta_l2norm_bwd", &rlx::l2norm_bwd_cpu);
+  m.impl("gated_delta_l2norm_fwd", RLX_ISA_PICK(rlx, l2norm_fwd_cpu));
+  m.impl("gated_delta_l2norm_bwd", RLX_ISA_PICK(rlx, l2norm_bwd_cpu));
 }
+#endif

@@ -6,18 +6,12 @@
 //   muon_apply_:   decoupled weight decay and the update, p <- (1 - lr wd) p - lr s O, in one
 //                  pass that reads the bf16 (or float32) result of Newton–Schulz directly.
 // float32 params only (the Python caller keeps the op-by-op path for other dtypes).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
+RLX_ISA_BEGIN
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // torch.lerp's arithmetic (ATen's lerp): start + w (end - start) for |w| < 0.5, else
@@ -144,6 +138,8 @@ void ns_input_kernel(const at::TensorList& grads, const at::TensorList& bufs,
   });
 }
 
+}  // namespace
+
 at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t rows,
                              int64_t cols, double momentum, bool nesterov, double eps,
                              double safety, at::ScalarType dtype) {
@@ -163,6 +159,8 @@ at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t 
   }
   return out;
 }
+
+namespace {
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) {
@@ -185,6 +183,8 @@ void apply_kernel(const at::TensorList& params, const in_t* ortho, const MatrixI
   });
 }
 
+}  // namespace
+
 void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
                     double weight_decay, double scale) {
   const char* op = "rlx::muon_apply_";
@@ -206,10 +206,16 @@ void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
   }
 }
 
-}  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+RLX_ISA_DECLARE_AVX2(rlx, muon_ns_input_cpu)
+RLX_ISA_DECLARE_AVX2(rlx, muon_apply_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("muon_ns_input", &rlx::muon_ns_input_cpu);
-  m.impl("muon_apply_", &rlx::muon_apply_cpu);
+  m.impl("muon_ns_input", RLX_ISA_PICK(rlx, muon_ns_input_cpu));
+  m.impl("muon_apply_", RLX_ISA_PICK(rlx, muon_apply_cpu));
 }
+#endif
