@@ -3,17 +3,10 @@
 #include "cpu_kernel_deps.h"
 
 RLX_ISA_BEGIN
-#include "codebook_gather.h"
 #include "codebook_lut.h"
 
 namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
-
-// Fixed (thread-count independent) partition of the groups into blocks: each block's
-// dcodebook partial is summed in block order, so results never depend on scheduling.
-int64_t backward_groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
-  return std::min(groups_per_block(d, bt, acc_size), std::max<int64_t>(1, ceil_div(d.groups, 16)));
-}
 
 // gT[tile][j][b] = grad[b0 + b, j] * s_j in acc_t, zero rows past the batch.
 template <typename scalar_t, typename acc_t, int BT>
@@ -183,7 +176,7 @@ inline void mark_used(const Dims& d, const uint8_t* idx, int64_t g0, int64_t ng,
 // LUT backward for dx (written into dx) and the per-block dcodebook partials [blocks][M*E*D].
 template <typename scalar_t, typename acc_t, int BT>
 void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const uint8_t* idx,
-                  const CodebookAcc<acc_t>& C, const scalar_t* scales, scalar_t* dx,
+                  const acc_t* cbT, const scalar_t* scales, scalar_t* dx,
                   acc_t* dc_parts, int64_t gpb, bool mask_dx, bool mask_dc) {
   const int64_t B = d.rows, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
@@ -205,7 +198,7 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
         scatter_block<acc_t, BT>(d, idx, gT.data() + tile * d.out_features * BT, g0, ng,
                                  dL.data());
         if (dx)
-          dx_block<scalar_t, acc_t, BT>(d, C.dataT(), dL.data(), g0, ng, b0, nb, dx, used_dx);
+          dx_block<scalar_t, acc_t, BT>(d, cbT, dL.data(), g0, ng, b0, nb, dx, used_dx);
         if (dc_parts) {
           load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
           dcodebook_block<acc_t, BT>(d, dL.data(), xT.data(), ng, wide.data(), used_dc);
@@ -225,12 +218,42 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
 
 }  // namespace
 
+template <typename scalar_t, typename acc_t>
+void lut_backward_rows(const Dims& d, const scalar_t* grad, const scalar_t* x,
+                       const uint8_t* idx, const acc_t* cbT, const scalar_t* scales,
+                       scalar_t* dx, acc_t* dc_parts, int64_t gpb, bool mask_dx, bool mask_dc) {
+  with_tile_shape(d.rows, [&](auto BT, auto) {
+    lut_backward<scalar_t, acc_t, BT>(d, grad, x, idx, cbT, scales, dx, dc_parts, gpb, mask_dx,
+                                      mask_dc);
+  });
+}
+
+#define RLX_INSTANTIATE_LUT_BACKWARD(scalar_t)                                                \
+  template void lut_backward_rows<scalar_t, acc_type_t<scalar_t>>(                          \
+      const Dims&, const scalar_t*, const scalar_t*, const uint8_t*,                         \
+      const acc_type_t<scalar_t>*, const scalar_t*, scalar_t*, acc_type_t<scalar_t>*, int64_t, \
+      bool, bool);
+RLX_INSTANTIATE_LUT_BACKWARD(float)
+RLX_INSTANTIATE_LUT_BACKWARD(double)
+RLX_INSTANTIATE_LUT_BACKWARD(at::Half)
+RLX_INSTANTIATE_LUT_BACKWARD(at::BFloat16)
+
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
+namespace rlx::codebook::cpu {
+namespace {
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask) {
   const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
-  if (d.index_bytes == 2) return gather_backward_op(grad_out, x, indices, codebook, scales, mask, d);
+  if (d.index_bytes == 2) {
+    return RLX_ISA_CALL(gather_backward_op)(grad_out, x, indices, codebook, scales, mask, d);
+  }
   check_index_range(indices, d);
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
@@ -243,7 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   at::Tensor dC = skipped(), ds = skipped(), db = skipped();
   if (mask[3]) db = g2d.to(acc_type).sum(0).to(x.scalar_type());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
+    using acc_t = acc_type_t<scalar_t>;
     const CodebookAcc<acc_t> C(codebook, d);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const uint8_t* ip = idx.data_ptr<uint8_t>();
@@ -254,10 +277,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
         raw = dense_raw<acc_t>(d, x2d.to(acc_type), ip, C.data());
       } else {
         raw = at::empty({d.rows, d.out_features}, at::dtype(acc_type));
-        with_tile_shape(d.rows, [&](auto BT, auto JT) {
-          lut_forward<scalar_t, acc_t, acc_t, BT, JT>(d, x2d.data_ptr<scalar_t>(), ip, C, nullptr,
-                                                      nullptr, raw.data_ptr<acc_t>());
-        });
+        RLX_ISA_CALL(lut_forward_rows<scalar_t, acc_t, acc_t>)(
+            d, x2d.data_ptr<scalar_t>(), ip, C.data(), C.dataT(), nullptr, nullptr,
+            raw.data_ptr<acc_t>());
       }
       ds = (g2d.to(acc_type) * raw).sum(0).to(x.scalar_type());
     }
@@ -284,13 +306,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
       // dcodebook) they must skip the entries no index selects to agree with the dense path.
       const bool mask_dx = mask[0] && !at::isfinite(codebook).all().item<bool>();
       const bool mask_dc = mask[1] && !at::isfinite(x).all().item<bool>();
-      with_tile_shape(d.rows, [&](auto BT, auto JT) {
-        const int64_t gpb = backward_groups_per_block(d, BT, sizeof(acc_t));
-        acc_t* dc_parts = run(gpb);
-        lut_backward<scalar_t, acc_t, BT>(d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(),
-                                          ip, C, sp, mask[0] ? dx.data_ptr<scalar_t>() : nullptr,
-                                          dc_parts, gpb, mask_dx, mask_dc);
-      });
+      const int64_t gpb = backward_groups_per_block(d, tile_rows(d.rows), sizeof(acc_t));
+      acc_t* dc_parts = run(gpb);
+      RLX_ISA_CALL(lut_backward_rows<scalar_t, acc_t>)(
+          d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(), ip, C.dataT(), sp,
+          mask[0] ? dx.data_ptr<scalar_t>() : nullptr, dc_parts, gpb, mask_dx, mask_dc);
     }
     if (mask[1]) {
       // Fixed-order reduction of the block partials (parts is [blocks, M*E*D]).
@@ -302,13 +322,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   return {dx, dC, ds, db};
 }
 
-}  // namespace rlx::codebook::cpu::RLX_ISA_NS
-RLX_ISA_END
-
-#if !defined(RLX_ISA_AVX2_COPY)
-RLX_ISA_DECLARE_AVX2(rlx::codebook::cpu, backward_cpu)
+}  // namespace
+}  // namespace rlx::codebook::cpu
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("codebook_matmul_backward", RLX_ISA_PICK(rlx::codebook::cpu, backward_cpu));
+  m.impl("codebook_matmul_backward", &rlx::codebook::cpu::backward_cpu);
 }
 #endif

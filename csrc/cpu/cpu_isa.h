@@ -11,8 +11,10 @@
 //   2. opens the region (RLX_ISA_BEGIN) and includes the kernel headers of csrc/cpu, which put
 //      everything they define into namespace rlx::RLX_ISA_NS (isa_base or isa_avx2): their
 //      code takes the region's target and each copy has its own names;
-//   3. defines the op's implementation in rlx::RLX_ISA_NS, closes the region (RLX_ISA_END),
-//      and, in the baseline copy only, the dispatcher (RLX_ISA_CALL) and the registration.
+//   3. defines the op's kernel entry points (raw pointers and sizes) in rlx::RLX_ISA_NS,
+//      closes the region (RLX_ISA_END), and, in the baseline copy only, the op itself: the
+//      host code (checks, allocation, dtype dispatch), which calls the entry points of the
+//      copy cpu_isa() picks (RLX_ISA_CALL), and the registration.
 // Templates defined before the region (std::vector, at::parallel_for) keep the baseline
 // target where the region instantiates them; tests/test_cpu_isa.py checks that every
 // function of the built library with AVX instructions is in an isa_avx2 namespace (or in
@@ -60,17 +62,28 @@ const char* cpu_isa_name(CpuIsa isa);
 
 }  // namespace rlx
 
-// In the baseline copy, after the region: RLX_ISA_DECLARE_AVX2 declares the AVX2 copy's fn
-// (same type as the baseline's), RLX_ISA_PICK is a pointer to the fn of the copy cpu_isa()
-// picks, for TORCH_LIBRARY_IMPL. ns: the namespace that holds isa_base and isa_avx2.
+// Host code (argument checks, allocation, dtype dispatch, registration) is compiled once, in
+// the baseline copy after the region (#if !defined(RLX_ISA_AVX2_COPY)); only the kernels'
+// entry points, which take raw pointers and sizes, are compiled per copy. Around them:
+// RLX_ISA_DECLARE(decls) declares decls (declarations that name no namespace) in both
+// copies' namespaces, isa_base and isa_avx2, of the enclosing namespace (a header outside the
+// region does this for an op's entry points, so that both copies define what the host calls);
+// RLX_ISA_CALL(fn) is the address of fn (a function, or a function template's specialization,
+// of the enclosing namespace's copies) in the copy cpu_isa() picks.
 #if RLX_ISA_HAVE_AVX2_COPY
-#define RLX_ISA_DECLARE_AVX2(ns, fn) \
-  namespace ns::isa_avx2 {           \
-  decltype(::ns::isa_base::fn) fn;   \
+#define RLX_ISA_DECLARE(...)   \
+  namespace isa_base {         \
+  __VA_ARGS__                  \
+  }                            \
+  namespace isa_avx2 {         \
+  __VA_ARGS__                  \
   }
-#define RLX_ISA_PICK(ns, fn) \
-  (::rlx::cpu_isa() == ::rlx::CpuIsa::kAvx2 ? &::ns::isa_avx2::fn : &::ns::isa_base::fn)
+#define RLX_ISA_CALL(...) \
+  (::rlx::cpu_isa() == ::rlx::CpuIsa::kAvx2 ? &isa_avx2::__VA_ARGS__ : &isa_base::__VA_ARGS__)
 #else
-#define RLX_ISA_DECLARE_AVX2(ns, fn)
-#define RLX_ISA_PICK(ns, fn) (&::ns::isa_base::fn)
+#define RLX_ISA_DECLARE(...) \
+  namespace isa_base {       \
+  __VA_ARGS__                \
+  }
+#define RLX_ISA_CALL(...) (&isa_base::__VA_ARGS__)
 #endif

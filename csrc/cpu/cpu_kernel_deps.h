@@ -1,5 +1,6 @@
 // Every header from outside csrc/cpu (torch, the standard library, rlx/) and every csrc/cpu
-// header with code for all copies alike (huge_pages.h, scratch.h) that a kernel file uses:
+// header with code for all copies alike (huge_pages.h, scratch.h, the kernels' entry points
+// and the host code's helpers: *_kernels.h) that a kernel file uses:
 // a kernel file includes this before its ISA region (cpu_isa.h), so that none of their
 // inline functions is compiled with the region's target.
 #pragma once
@@ -35,6 +36,9 @@
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 
+#include "codebook_kernels.h"
 #include "cpu_isa.h"
+#include "gated_delta_kernels.h"
 #include "huge_pages.h"
+#include "muon_kernels.h"
 #include "scratch.h"

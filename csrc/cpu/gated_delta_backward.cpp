@@ -1,6 +1,7 @@
-// Gated delta rule on the CPU, backward: the op's entry point. Checks the inputs (and the
-// checkpoints' tag), then runs one of the two algorithms (gated_delta_backward.h): the
-// chunked one where it applies, else the token-by-token one. Shared parts and the overview:
+// Gated delta rule on the CPU, backward: the op (host code, compiled once). Checks the inputs
+// (and the checkpoints' tag, and vw against the checkpoints: the one kernel here), then runs
+// one of the two algorithms (gated_delta_kernels.h): the chunked one where it applies, else
+// the token-by-token one. Shared parts and the overview:
 // gated_delta_common.h.
 #include "cpu_kernel_deps.h"
 
@@ -9,15 +10,14 @@ RLX_ISA_BEGIN
 
 namespace rlx {
 namespace RLX_ISA_NS {
-namespace {
 
 // vw of each chunk's first token against the chunk's checkpoint S (vw = v - exp(g) S^T k;
 // vw is only kept with one gate per head): a vw of another forward, e.g. of other inputs,
 // fails here instead of giving wrong gradients. One K x V pass per chunk, where the
 // chunk's backward makes several per token.
 template <typename in_t, typename acc_t>
-void check_vw_matches(const char* op, const GdnProblem& p, const Views<in_t, acc_t>& in,
-                      const acc_t* ckpt, const acc_t* vw) {
+bool gdn_vw_mismatch(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
+                     const acc_t* vw) {
   const int64_t K = p.head_k_dim, V = p.head_v_dim, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t C = p.chunk;
   // Far above the forward's rounding (its state is kept scaled by factors in [2^-20, 2^20]),
@@ -58,9 +58,22 @@ void check_vw_matches(const char* op, const GdnProblem& p, const Views<in_t, acc
       }
     }
   });
-  TORCH_CHECK(!mismatch, op, ": vw does not match the checkpoints and inputs: pass the vw that ",
-              "rlx::gated_delta_fwd returned with these checkpoints for these inputs (or None)");
+  return mismatch;
 }
+
+#define RLX_INSTANTIATE_VW_CHECK(in_t, acc_t)                                              \
+  template bool gdn_vw_mismatch<in_t, acc_t>(const GdnProblem&, const Views<in_t, acc_t>&, \
+                                             const acc_t*, const acc_t*);
+RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_VW_CHECK)
+
+}  // namespace RLX_ISA_NS
+}  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
+namespace rlx {
+namespace {
 
 // The chunked backward for one gate per head when every g <= 0 (decays, its domain: see
 // gated_delta_backward_chunked.cpp), the token-by-token one otherwise.
@@ -122,30 +135,27 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
     const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
     if (has_vw && !p.gate_per_channel) {  // (the token-by-token backward does not read vw)
-      check_vw_matches(op, p, views, ckpt.data_ptr<acc_t>(), vw.data_ptr<acc_t>());
+      TORCH_CHECK(!RLX_ISA_CALL(gdn_vw_mismatch<scalar_t, acc_t>)(
+                      p, views, ckpt.data_ptr<acc_t>(), vw.data_ptr<acc_t>()),
+                  op, ": vw does not match the checkpoints and inputs: pass the vw that ",
+                  "rlx::gated_delta_fwd returned with these checkpoints for these inputs (or None)");
     }
     if (use_chunked_backward<acc_t>(p, g)) {
-      gdn_backward_chunked<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
-                                            has_vw ? vw.data_ptr<acc_t>() : nullptr,
-                                            grad_o.data_ptr<scalar_t>(), gh, lay,
-                                            buf.data_ptr<acc_t>());
+      RLX_ISA_CALL(gdn_backward_chunked<scalar_t, acc_t>)(
+          p, views, ckpt.data_ptr<acc_t>(), has_vw ? vw.data_ptr<acc_t>() : nullptr,
+          grad_o.data_ptr<scalar_t>(), gh, lay, buf.data_ptr<acc_t>());
     } else {
-      gdn_backward_recurrent<scalar_t, acc_t>(p, views, ckpt.data_ptr<acc_t>(),
-                                              grad_o.data_ptr<scalar_t>(), gh, lay,
-                                              buf.data_ptr<acc_t>());
+      RLX_ISA_CALL(gdn_backward_recurrent<scalar_t, acc_t>)(
+          p, views, ckpt.data_ptr<acc_t>(), grad_o.data_ptr<scalar_t>(), gh, lay,
+          buf.data_ptr<acc_t>());
     }
   });
   return buf;
 }
 
-}  // namespace RLX_ISA_NS
 }  // namespace rlx
-RLX_ISA_END
-
-#if !defined(RLX_ISA_AVX2_COPY)
-RLX_ISA_DECLARE_AVX2(rlx, gated_delta_bwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_bwd", RLX_ISA_PICK(rlx, gated_delta_bwd_cpu));
+  m.impl("gated_delta_bwd", &rlx::gated_delta_bwd_cpu);
 }
 #endif

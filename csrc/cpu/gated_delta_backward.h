@@ -1,5 +1,6 @@
-// Gated delta rule on the CPU, backward: what its two algorithms share, and their entry
-// points. gated_delta_backward.cpp checks the inputs and picks one:
+// Gated delta rule on the CPU, backward: what its two algorithms share (their entry points
+// are declared in gated_delta_kernels.h). gated_delta_backward.cpp checks the inputs and
+// picks one:
 //   gated_delta_backward_recurrent.cpp  token by token (any gate; the general case)
 //   gated_delta_backward_chunked.cpp    the chunked (WY) form, one gate per head with g <= 0
 // Both write every gradient into the packed buffer (rlx/gdn_backward_layout.h).
@@ -15,29 +16,10 @@
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 #include "cpu_isa.h"
+#include "gated_delta_kernels.h"
 
 namespace rlx {
 namespace RLX_ISA_NS {
-
-// Token by token (gated_delta_backward_recurrent.cpp): recomputes each chunk's states from
-// its checkpoint, then runs the reverse recurrence over them.
-template <typename in_t, typename acc_t>
-void gdn_backward_recurrent(const GdnProblem& p, const Views<in_t, acc_t>& in,
-                            const acc_t* ckpt, const in_t* grad_o, const acc_t* grad_ht,
-                            const GdnBackwardLayout& lay, acc_t* buf);
-
-// Chunked (gated_delta_backward_chunked.cpp): one gate per head, every g <= 0. vw_saved:
-// the forward's vw, or nullptr (then solved for).
-template <typename in_t, typename acc_t>
-void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* ckpt,
-                          const acc_t* vw_saved, const in_t* grad_o, const acc_t* grad_ht,
-                          const GdnBackwardLayout& lay, acc_t* buf);
-
-// Explicit instantiations for the input dtypes the kernels take (in the file that defines `fn`):
-// float32 and float64 (the host code widens 16-bit inputs to float32).
-#define RLX_GDN_BACKWARD_INSTANTIATE(MACRO) \
-  MACRO(float, float)                       \
-  MACRO(double, double)
 
 namespace {
 

@@ -596,7 +596,7 @@ void gdn_backward_chunked(const GdnProblem& p, const Views<in_t, acc_t>& in, con
   template void gdn_backward_chunked<in_t, acc_t>(                                         \
       const GdnProblem&, const Views<in_t, acc_t>&, const acc_t*, const acc_t*, const in_t*, \
       const acc_t*, const GdnBackwardLayout&, acc_t*);
-RLX_GDN_BACKWARD_INSTANTIATE(RLX_INSTANTIATE_CHUNKED)
+RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_CHUNKED)
 
 }  // namespace RLX_ISA_NS
 }  // namespace rlx

@@ -455,7 +455,7 @@ void gdn_backward_recurrent(const GdnProblem& p, const Views<in_t, acc_t>& in,
                                                     const Views<in_t, acc_t>&, const acc_t*, \
                                                     const in_t*, const acc_t*,             \
                                                     const GdnBackwardLayout&, acc_t*);
-RLX_GDN_BACKWARD_INSTANTIATE(RLX_INSTANTIATE_RECURRENT)
+RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_RECURRENT)
 
 }  // namespace RLX_ISA_NS
 }  // namespace rlx

@@ -51,23 +51,12 @@
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 #include "cpu_isa.h"
+#include "gated_delta_kernels.h"
 #include "huge_pages.h"
 #include "l2norm_row.h"
 #include "vec.h"
 
 namespace rlx {
-
-// Raw pointers of one call (outside the anonymous namespace: the backward algorithms, each in
-// its own file, take them); token index tok = b * T + t (the packed position when varlen).
-template <typename in_t, typename acc_t>
-struct Views {
-  const in_t *q, *k, *v;
-  const acc_t *g, *beta;
-  const int64_t* cu;  // nullptr when not varlen
-  acc_t scale;
-  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
-  acc_t l2norm_eps;
-};
 
 namespace RLX_ISA_NS {
 namespace {
@@ -214,31 +203,6 @@ inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64
     for (; i + L <= n; i += L) stream_vec(dst + i, load_vec(src + i));
   }
   for (; i < n; ++i) dst[i] = src[i];
-}
-
-// Whether the forward keeps vw = v - P^T k per token (gated_delta_fwd's fourth output): the
-// chunked backward (one gate per head) then reads it instead of recomputing it, a triangular
-// solve and a product with the state per sub-chunk. The token-by-token backward (a gate per
-// key channel) does not use it.
-inline bool gdn_keeps_vw(const GdnProblem& p) {
-  return ::rlx::gdn_keeps_vw(p.chunk, p.gate_per_channel);
-}
-
-inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return t;
-  return t->contiguous();
-}
-
-template <typename in_t, typename acc_t>
-inline Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& g, const at::Tensor& beta,
-                              const std::optional<at::Tensor>& cu, double scale,
-                              std::optional<double> l2norm_eps) {
-  return Views<in_t, acc_t>{q.data_ptr<in_t>(),    k.data_ptr<in_t>(),
-                            v.data_ptr<in_t>(),    g.data_ptr<acc_t>(),
-                            beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
-                            static_cast<acc_t>(scale), l2norm_eps.has_value(),
-                            static_cast<acc_t>(l2norm_eps.value_or(0))};
 }
 
 }  // namespace

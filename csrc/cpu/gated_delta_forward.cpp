@@ -374,6 +374,28 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
   });
 }
 
+}  // namespace
+
+template <typename in_t, typename acc_t>
+void gdn_forward(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0, in_t* o,
+                 acc_t* ht, acc_t* ckpt, acc_t* vw) {
+  forward_kernel<in_t, acc_t>(p, in, h0, o, ht, ckpt, vw);
+}
+
+#define RLX_INSTANTIATE_FORWARD(in_t, acc_t)                                                 \
+  template void gdn_forward<in_t, acc_t>(const GdnProblem&, const Views<in_t, acc_t>&,       \
+                                         const acc_t*, in_t*, acc_t*, acc_t*, acc_t*);
+RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_FORWARD)
+
+}  // namespace RLX_ISA_NS
+}  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
+namespace rlx {
+namespace {
+
 // Slots no sequence uses (the slack of gdn_checkpoint_slots) are zeroed so that the output
 // is fully defined.
 void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt) {
@@ -429,26 +451,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_fwd", [&] {
     using acc_t = acc_type_t<scalar_t>;
-    forward_kernel<scalar_t, acc_t>(p,
-                                    make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale,
-                                                                l2norm_eps),
-                                    h0 ? h0->data_ptr<acc_t>() : nullptr,
-                                    o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
-                                    ckpt.data_ptr<acc_t>(),
-                                    vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
+    RLX_ISA_CALL(gdn_forward<scalar_t, acc_t>)(
+        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
+        h0 ? h0->data_ptr<acc_t>() : nullptr, o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
+        ckpt.data_ptr<acc_t>(), vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
   });
   gdn_write_checkpoint_tag(ckpt, gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   return {o, ht, ckpt, vw};
 }
 
-}  // namespace RLX_ISA_NS
 }  // namespace rlx
-RLX_ISA_END
-
-#if !defined(RLX_ISA_AVX2_COPY)
-RLX_ISA_DECLARE_AVX2(rlx, gated_delta_fwd_cpu)
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
-  m.impl("gated_delta_fwd", RLX_ISA_PICK(rlx, gated_delta_fwd_cpu));
+  m.impl("gated_delta_fwd", &rlx::gated_delta_fwd_cpu);
 }
 #endif
