@@ -35,9 +35,9 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
   });
 }
 
-// The forward's rows (out_t = scalar_t) and the backward's raw sums (out_t = acc_t) for every
-// floating scalar_t; the dense path's dequantization and dcodebook scatter for both index
-// widths.
+// float32 and float64 (the host code widens 16-bit inputs to float32; the forward's rows and
+// the backward's raw sums are then the same instantiation); the dense path's dequantization
+// and dcodebook scatter for both index widths.
 #define RLX_INSTANTIATE_LUT_FORWARD(scalar_t, acc_t, out_t)                                  \
   template void lut_forward_rows<scalar_t, acc_t, out_t>(const Dims&, const scalar_t*,      \
                                                          const uint8_t*, const acc_t*,      \
@@ -45,10 +45,6 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
                                                          const scalar_t*, out_t*);
 RLX_INSTANTIATE_LUT_FORWARD(float, float, float)
 RLX_INSTANTIATE_LUT_FORWARD(double, double, double)
-RLX_INSTANTIATE_LUT_FORWARD(at::Half, float, at::Half)
-RLX_INSTANTIATE_LUT_FORWARD(at::Half, float, float)
-RLX_INSTANTIATE_LUT_FORWARD(at::BFloat16, float, at::BFloat16)
-RLX_INSTANTIATE_LUT_FORWARD(at::BFloat16, float, float)
 
 #define RLX_INSTANTIATE_DENSE(acc_t, index_t)                                                 \
   template void dequantize_rows<acc_t, index_t>(const Dims&, const index_t*, const acc_t*,  \
@@ -68,21 +64,26 @@ RLX_ISA_END
 namespace rlx::codebook::cpu {
 namespace {
 
-at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
-                       const std::optional<at::Tensor>& scales,
-                       const std::optional<at::Tensor>& bias) {
-  const Dims d = check_inputs(x, indices, codebook, scales, bias);
-  if (d.index_bytes == 2) {
-    return RLX_ISA_CALL(gather_forward_op)(x, indices, codebook, scales, bias, d);
+// uint8 indices, after the checks.
+at::Tensor forward_u8(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
+                      const std::optional<at::Tensor>& scales,
+                      const std::optional<at::Tensor>& bias, const Dims& d) {
+  if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
+    // 16-bit x, codebook, scales and bias run the float32 kernels on float32 copies: the
+    // kernels widen every element they read to float32 and round out once either way, so
+    // the results are the same, and the kernels are compiled for two dtypes instead of four
+    // (the copies cost a pass over x and out, next to the N x K gathers).
+    return forward_u8(x.to(at::kFloat), indices, codebook.to(at::kFloat), to_float(scales),
+                      to_float(bias), d)
+        .to(x.scalar_type());
   }
-  check_index_range(indices, d);
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
   auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
   auto bs = bias.has_value() ? bias->contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "codebook_matmul", [&] {
     using acc_t = acc_type_t<scalar_t>;
     const CodebookAcc<acc_t> C(codebook, d);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
@@ -99,6 +100,17 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
         out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
+                       const std::optional<at::Tensor>& scales,
+                       const std::optional<at::Tensor>& bias) {
+  const Dims d = check_inputs(x, indices, codebook, scales, bias);
+  if (d.index_bytes == 2) {
+    return RLX_ISA_CALL(gather_forward_op)(x, indices, codebook, scales, bias, d);
+  }
+  check_index_range(indices, d);
+  return forward_u8(x, indices, codebook, scales, bias, d);
 }
 
 }  // namespace

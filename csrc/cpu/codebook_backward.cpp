@@ -235,8 +235,6 @@ void lut_backward_rows(const Dims& d, const scalar_t* grad, const scalar_t* x,
       bool, bool);
 RLX_INSTANTIATE_LUT_BACKWARD(float)
 RLX_INSTANTIATE_LUT_BACKWARD(double)
-RLX_INSTANTIATE_LUT_BACKWARD(at::Half)
-RLX_INSTANTIATE_LUT_BACKWARD(at::BFloat16)
 
 }  // namespace rlx::codebook::cpu::RLX_ISA_NS
 RLX_ISA_END
@@ -246,15 +244,19 @@ RLX_ISA_END
 namespace rlx::codebook::cpu {
 namespace {
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+// uint8 indices, after the checks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_u8(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
-    std::array<bool, 4> mask) {
-  const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
-  if (d.index_bytes == 2) {
-    return RLX_ISA_CALL(gather_backward_op)(grad_out, x, indices, codebook, scales, mask, d);
+    std::array<bool, 4> mask, const Dims& d) {
+  if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
+    // As in the forward: 16-bit inputs run the float32 kernels on float32 copies (the
+    // kernels widen every element they read and round each gradient once either way).
+    auto [dx, dC, ds, db] = backward_u8(grad_out.to(at::kFloat), x.to(at::kFloat), indices,
+                                        codebook.to(at::kFloat), to_float(scales), mask, d);
+    const auto t = x.scalar_type();
+    return {dx.to(t), dC.to(t), ds.to(t), db.to(t)};
   }
-  check_index_range(indices, d);
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
   const at::ScalarType acc_type = acc_dtype(x.scalar_type());
@@ -265,7 +267,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : skipped();
   at::Tensor dC = skipped(), ds = skipped(), db = skipped();
   if (mask[3]) db = g2d.to(acc_type).sum(0).to(x.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "codebook_matmul_backward", [&] {
     using acc_t = acc_type_t<scalar_t>;
     const CodebookAcc<acc_t> C(codebook, d);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
@@ -320,6 +322,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     }
   });
   return {dx, dC, ds, db};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
+    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+    std::array<bool, 4> mask) {
+  const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
+  if (d.index_bytes == 2) {
+    return RLX_ISA_CALL(gather_backward_op)(grad_out, x, indices, codebook, scales, mask, d);
+  }
+  check_index_range(indices, d);
+  return backward_u8(grad_out, x, indices, codebook, scales, mask, d);
 }
 
 }  // namespace

@@ -181,6 +181,12 @@ void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc
   }
 }
 
+// t in float32 (the host code's copies of 16-bit inputs), or nullopt.
+inline std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return t;
+  return t->to(at::kFloat);
+}
+
 // E < 256 leaves uint8 values that would read past the codebook; 256 entries cannot overflow.
 inline void check_index_range(const at::Tensor& indices, const Dims& d) {
   if (d.num_entries >= 256 || indices.numel() == 0) return;
