@@ -20,6 +20,7 @@
 // not depend on the number of threads; dcodebook is reduced from per-block partials in a fixed
 // order. Half inputs accumulate in float32, float64 in float64.
 #include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
 RLX_ISA_BEGIN
 #include "codebook_lut.h"

@@ -1,6 +1,7 @@
 // CPU kernel for rlx::codebook_matmul_backward: lookup-table scatter for small batches,
 // dequantized weight tiles + GEMM for large ones (the algorithm is described in codebook.cpp).
 #include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
 RLX_ISA_BEGIN
 #include "codebook_lut.h"

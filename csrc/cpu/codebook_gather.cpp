@@ -2,6 +2,7 @@
 // codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_lut.h) for large
 // ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs.
 #include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
 RLX_ISA_BEGIN
 #include "codebook_gather.h"

@@ -1,8 +1,9 @@
 // Every header from outside csrc/cpu (torch, the standard library, rlx/) and every csrc/cpu
-// header with code for all copies alike (huge_pages.h, scratch.h, the kernels' entry points
-// and the host code's helpers: *_kernels.h) that a kernel file uses:
+// header with code for all copies alike (huge_pages.h, scratch.h) that a kernel file uses:
 // a kernel file includes this before its ISA region (cpu_isa.h), so that none of their
-// inline functions is compiled with the region's target.
+// inline functions is compiled with the region's target. (The op family's header of entry
+// points and host helpers, *_kernels.h, follows it in each kernel file, also before the
+// region: a change to one family's header then rebuilds only that family's files.)
 #pragma once
 
 // The tensor class, at::parallel_for, the dispatch macros, the ATen ops the host code calls
@@ -36,9 +37,6 @@
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
 
-#include "codebook_kernels.h"
 #include "cpu_isa.h"
-#include "gated_delta_kernels.h"
 #include "huge_pages.h"
-#include "muon_kernels.h"
 #include "scratch.h"

@@ -4,6 +4,7 @@
 // the token-by-token one. Shared parts and the overview:
 // gated_delta_common.h.
 #include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
 RLX_ISA_BEGIN
 #include "gated_delta_backward.h"

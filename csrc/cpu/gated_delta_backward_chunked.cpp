@@ -43,6 +43,7 @@
 // Cs x Cs work).
 
 #include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
 RLX_ISA_BEGIN
 #include "gated_delta_backward.h"

@@ -3,6 +3,7 @@
 // the reverse recurrence over them. The passes over the state:
 // gated_delta_backward_recurrent_steps.h; the overview: gated_delta_common.h.
 #include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
 RLX_ISA_BEGIN
 #include "gated_delta_backward.h"

@@ -2,6 +2,7 @@
 // checkpoint of the state every C tokens for the backward. Shared parts and the overview:
 // gated_delta_common.h.
 #include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
 RLX_ISA_BEGIN
 #include "gated_delta_common.h"

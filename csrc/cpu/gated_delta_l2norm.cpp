@@ -2,6 +2,7 @@
 // direction: q and k are normalized with 2 parallel regions instead of a dozen small ops.
 // Accumulates in float32 (float64 for float64 input); y keeps x's dtype.
 #include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
 RLX_ISA_BEGIN
 #include "l2norm_row.h"

@@ -7,6 +7,7 @@
 //                  pass that reads the bf16 (or float32) result of Newton–Schulz directly.
 // float32 params only (the Python caller keeps the op-by-op path for other dtypes).
 #include "cpu_kernel_deps.h"
+#include "muon_kernels.h"
 
 RLX_ISA_BEGIN
 
