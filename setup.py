@@ -1,8 +1,10 @@
 """Builds rlx_torch._C with torch.utils.cpp_extension.
 
-C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled. The CUDA kernels
-(csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built with CUDA and
-nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
+C++ sources under csrc/ (ops.cpp + csrc/cpu/) are always compiled, for the architecture's
+baseline (plain x86-64, plain arm64): the CPU kernels' AVX2+FMA copies (csrc/cpu/avx2/, see
+csrc/cpu/cpu_isa.h) are chosen at run time, so a wheel runs on any CPU of its architecture.
+The CUDA kernels (csrc/cuda/*.cu) are added, through CUDAExtension, when this torch was built
+with CUDA and nvcc is found (RLX_CUDA=0 leaves them out). The Objective-C++
 Metal host code (csrc/mps/*.mm) is added only on macOS when this torch was built with MPS;
 the .metal kernel sources are embedded into a generated header either way (see
 tools/embed_metal.py), so the host code and the Linux emulator tests read the same text.
@@ -74,7 +76,8 @@ def source_files(root: str, system: str, mps_built: bool) -> tuple[list[str], bo
     def rel(pattern):
         return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
 
-    srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    # csrc/cpu/avx2/: the kernels' AVX2 copies (empty translation units off x86-64)
+    srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/cpu/avx2/*.cpp")
     use_mps = system == "darwin" and mps_built
     if use_mps:
         srcs += rel("csrc/mps/*.mm")
@@ -109,8 +112,8 @@ LINUX_CLANG_OPENMP = (
 
 
 def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_openmp: bool,
-                use_mps: bool, debug: bool = False, avx2: bool = True,
-                clang_openmp: bool = False, sanitize: bool = False) -> dict[str, list[str]]:
+                use_mps: bool, debug: bool = False, clang_openmp: bool = False,
+                sanitize: bool = False) -> dict[str, list[str]]:
     """Compile ("cxx") and link ("link") arguments for one platform.
 
     system: sys.platform ("linux", "darwin"); machine: platform.machine(); compiler: "gcc" or
@@ -124,21 +127,16 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     # Release builds carry no debug info (Python's sysconfig CFLAGS bring -g, which made the
     # .so about 8x its code size); DEBUG=1 builds keep it.
     cxx += ["-O0", "-g"] if debug else ["-O3", "-g0"]
-    # Python's own flags (sysconfig CFLAGS) bring -fwrapv, which CPython needs and these
-    # kernels do not: with it, signed index arithmetic may wrap, and GCC's loop optimizations
-    # lose ground (gated delta backward 3-5% slower, in-process A/B on the 2-core EPYC).
-    cxx += ["-fno-wrapv"]
+    # (No -fno-wrapv against the -fwrapv in Python's CFLAGS and no -falign-loops=32: neither
+    # changed the gated delta or codebook benchmarks beyond their run-to-run spread in an A/B
+    # of builds with and without them.)
+    # ninja captures the compiler's output, so the compiler sees no terminal: keep its colors.
     cxx += ["-Wall", "-Wextra", "-Wno-unused-parameter", "-fdiagnostics-color=always"]
     link = []
     if use_mps:
         link += ["-framework", "Metal", "-framework", "Foundation"]
-    if machine in ("x86_64", "AMD64"):
-        # AVX2/FMA: every x86-64 CPU since Haswell (2013). RLX_AVX2=0 builds for older ones.
-        cxx += ["-mavx2", "-mfma"] if avx2 else []
-        # Loops start on 32-byte boundaries: the gated delta backward's hottest loop ran
-        # 4-6% slower when it happened to start 16 bytes into a 64-byte line (in-process A/B
-        # on the 2-core EPYC), and any edit elsewhere in the file moved it there or back.
-        cxx += ["-falign-loops=32"]
+    # No -mavx2/-march: the baseline stays portable; AVX2 code lives only in the target
+    # regions of the kernels' AVX2 copies (csrc/cpu/cpu_isa.h).
     if sanitize:
         # AddressSanitizer + UndefinedBehaviorSanitizer (scripts/sanitize.sh builds this into
         # its own directory and runs the C++-heavy tests with libasan preloaded); UB aborts.
@@ -167,6 +165,83 @@ def build_flags(system: str, machine: str, compiler: str, *, std: str, torch_ope
     return {"cxx": cxx, "link": link}
 
 
+PCH_HEADER = os.path.join("csrc", "cpu", "torch_headers.h")
+
+
+def pch_flags(compiler: str, system: str, pch_path: str | None) -> list[str]:
+    """The flags that make every C++ file start from the precompiled torch headers
+    (csrc/cpu/torch_headers.h), or none: GCC on Linux only (clang's -include-pch takes a
+    different file format and flag; those builds parse the headers in each file as before),
+    and only once the precompiled header was built (pch_path, the header's copy beside it).
+
+    >>> pch_flags("gcc", "linux", "/b/pch/torch_headers.h")
+    ['-include', '/b/pch/torch_headers.h', '-Winvalid-pch']
+    >>> pch_flags("clang", "darwin", "/b/pch/torch_headers.h")
+    []
+    """
+    if compiler != "gcc" or not system.startswith("linux") or not pch_path:
+        return []
+    # -Winvalid-pch: a precompiled header that no longer matches the flags says so (the build
+    # then parses the header as usual and stays correct).
+    return ["-include", pch_path, "-Winvalid-pch"]
+
+
+def _build_pch(cmd: list[str], header: str, out_dir: str) -> str | None:
+    """Precompiles header with the compile command cmd (every flag a source gets, no source)
+    into out_dir, unless the copy there was built by the same command; returns the path of the
+    header's copy beside its .gch, or None when the compiler fails (the build goes on without)."""
+    os.makedirs(out_dir, exist_ok=True)
+    copy = os.path.join(out_dir, os.path.basename(header))
+    gch, stamp = copy + ".gch", copy + ".cmd"
+    text = open(header).read()
+    signature = "\n".join(cmd) + "\n" + text
+    if os.path.exists(gch) and os.path.exists(stamp) and open(stamp).read() == signature:
+        return copy
+    with open(copy, "w") as f:
+        f.write(text)
+    print(f"precompiling {header} (the torch headers every C++ file includes)", flush=True)
+    result = subprocess.run([*cmd, "-x", "c++-header", copy, "-o", gch])
+    if result.returncode != 0:
+        print(f"warning: precompiling {header} failed; compiling without it", flush=True)
+        return None
+    with open(stamp, "w") as f:
+        f.write(signature)
+    return copy
+
+
+class _BuildExtension(BuildExtension):
+    """torch's BuildExtension (ninja), plus the precompiled torch headers on GCC (pch_flags)."""
+
+    def build_extension(self, ext):
+        ninja_compile = self.compiler.compile  # BuildExtension's ninja wrapper
+        family = compiler_family(os.environ.get("CXX", "c++"))
+        if (os.getenv("RLX_PCH", "1") == "0" or not pch_flags(family, sys.platform, "-")
+                or not isinstance(ext.extra_compile_args, dict)):
+            return super().build_extension(ext)
+
+        def compile_with_pch(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                             extra_preargs=None, extra_postargs=None, depends=None):
+            # The command BuildExtension's ninja rule runs for a C++ source, less -c/-o: the
+            # precompiled header is used only where every flag matches.
+            _, _, _, pp_opts, _ = self.compiler._setup_compile(
+                output_dir, macros, include_dirs, [], depends, extra_postargs)
+            cflags = self.compiler.compiler_so[1:] + self.compiler._get_cc_args(
+                pp_opts, debug, extra_preargs)
+            post = list(extra_postargs["cxx"])
+            cmd = [*os.environ.get("CXX", "c++").split(), *cflags, *post]
+            pch = _build_pch(cmd, os.path.join(ROOT, PCH_HEADER),
+                             os.path.join(os.path.abspath(output_dir), "pch"))
+            postargs = dict(extra_postargs, cxx=post + pch_flags(family, sys.platform, pch))
+            return ninja_compile(sources, output_dir, macros, include_dirs, debug,
+                                 extra_preargs, postargs, depends)
+
+        self.compiler.compile = compile_with_pch
+        try:
+            return super().build_extension(ext)
+        finally:
+            self.compiler.compile = ninja_compile
+
+
 def _use_cuda() -> bool:
     if os.getenv("RLX_CUDA", "1") == "0" or torch.version.cuda is None or CUDA_HOME is None:
         return False
@@ -185,7 +260,7 @@ def _extension():
         sys.platform, platform.machine(), compiler_family(cxx_cmd),
         std=os.getenv("RLX_CXX_STD") or cxx_standard(torch.__version__),
         torch_openmp=torch_openmp, use_mps=use_mps,
-        debug=os.getenv("DEBUG", "0") == "1", avx2=os.getenv("RLX_AVX2", "1") == "1",
+        debug=os.getenv("DEBUG", "0") == "1",
         clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1",
         sanitize=os.getenv("RLX_SANITIZE", "0") == "1")
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
@@ -217,5 +292,5 @@ if __name__ == "__main__":  # setuptools runs this file as __main__ (setup.py an
     _write_build_info()
     setup(
         ext_modules=[_extension()],
-        cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+        cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
     )

@@ -66,4 +66,7 @@ TORCH_LIBRARY(rlx, m) {
   m.def(
       "muon_apply_(Tensor(a!)[] params, Tensor ortho, float lr, float weight_decay,"
       " float scale) -> ()");
+  // ---- CPU features (csrc/cpu/cpu_isa.cpp) ----
+  // The CPU kernels' copy this process runs: "avx2" or "baseline" (RLX_CPU_ISA=baseline).
+  m.def("_cpu_isa() -> str");
 }

@@ -19,30 +19,73 @@
 // Determinism: every output element is written by exactly one work item, in an order that does
 // not depend on the number of threads; dcodebook is reduced from per-block partials in a fixed
 // order. Half inputs accumulate in float32, float64 in float64.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
-#include "codebook_gather.h"
+RLX_ISA_BEGIN
 #include "codebook_lut.h"
 
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+template <typename scalar_t, typename acc_t, typename out_t>
+void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
+                      const acc_t* cbT, const scalar_t* scales, const scalar_t* bias,
+                      out_t* out) {
+  with_tile_shape(d.rows, [&](auto BT, auto JT) {
+    lut_forward<scalar_t, acc_t, out_t, BT, JT>(d, x, idx, cb, cbT, scales, bias, out);
+  });
+}
+
+// float32 and float64 (the host code widens 16-bit inputs to float32; the forward's rows and
+// the backward's raw sums are then the same instantiation); the dense path's dequantization
+// and dcodebook scatter for both index widths.
+#define RLX_INSTANTIATE_LUT_FORWARD(scalar_t, acc_t, out_t)                                  \
+  template void lut_forward_rows<scalar_t, acc_t, out_t>(const Dims&, const scalar_t*,      \
+                                                         const uint8_t*, const acc_t*,      \
+                                                         const acc_t*, const scalar_t*,     \
+                                                         const scalar_t*, out_t*);
+RLX_INSTANTIATE_LUT_FORWARD(float, float, float)
+RLX_INSTANTIATE_LUT_FORWARD(double, double, double)
+
+#define RLX_INSTANTIATE_DENSE(acc_t, index_t)                                                 \
+  template void dequantize_rows<acc_t, index_t>(const Dims&, const index_t*, const acc_t*,  \
+                                                int64_t, int64_t, acc_t*);                  \
+  template void scatter_weight_grad<acc_t, index_t>(const Dims&, const acc_t*, const index_t*, \
+                                                    int64_t, int64_t, int64_t, acc_t*);
+RLX_INSTANTIATE_DENSE(float, uint8_t)
+RLX_INSTANTIATE_DENSE(double, uint8_t)
+RLX_INSTANTIATE_DENSE(float, uint16_t)
+RLX_INSTANTIATE_DENSE(double, uint16_t)
+
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
 namespace rlx::codebook::cpu {
 namespace {
 
-at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
-                       const std::optional<at::Tensor>& scales,
-                       const std::optional<at::Tensor>& bias) {
-  const Dims d = check_inputs(x, indices, codebook, scales, bias);
-  if (d.index_bytes == 2) return gather_forward_op(x, indices, codebook, scales, bias, d);
-  check_index_range(indices, d);
+// uint8 indices, after the checks.
+at::Tensor forward_u8(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
+                      const std::optional<at::Tensor>& scales,
+                      const std::optional<at::Tensor>& bias, const Dims& d) {
+  if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
+    // 16-bit x, codebook, scales and bias run the float32 kernels on float32 copies: the
+    // kernels widen every element they read to float32 and round out once either way, so
+    // the results are the same, and the kernels are compiled for two dtypes instead of four
+    // (the copies cost a pass over x and out, next to the N x K gathers).
+    return forward_u8(x.to(at::kFloat), indices, codebook.to(at::kFloat), to_float(scales),
+                      to_float(bias), d)
+        .to(x.scalar_type());
+  }
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
   auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
   auto bs = bias.has_value() ? bias->contiguous() : at::Tensor();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "codebook_matmul", [&] {
+    using acc_t = acc_type_t<scalar_t>;
     const CodebookAcc<acc_t> C(codebook, d);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* bp = bs.defined() ? bs.data_ptr<scalar_t>() : nullptr;
@@ -53,13 +96,22 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
       out.view({d.rows, d.out_features}).copy_(raw);
       return;
     }
-    with_tile_shape(d.rows, [&](auto BT, auto JT) {
-      lut_forward<scalar_t, acc_t, scalar_t, BT, JT>(d, x2d.data_ptr<scalar_t>(),
-                                                     idx.data_ptr<uint8_t>(), C, sp, bp,
-                                                     out.data_ptr<scalar_t>());
-    });
+    RLX_ISA_CALL(lut_forward_rows<scalar_t, acc_t, scalar_t>)(
+        d, x2d.data_ptr<scalar_t>(), idx.data_ptr<uint8_t>(), C.data(), C.dataT(), sp, bp,
+        out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at::Tensor& codebook,
+                       const std::optional<at::Tensor>& scales,
+                       const std::optional<at::Tensor>& bias) {
+  const Dims d = check_inputs(x, indices, codebook, scales, bias);
+  if (d.index_bytes == 2) {
+    return RLX_ISA_CALL(gather_forward_op)(x, indices, codebook, scales, bias, d);
+  }
+  check_index_range(indices, d);
+  return forward_u8(x, indices, codebook, scales, bias, d);
 }
 
 }  // namespace
@@ -68,3 +120,4 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
   m.impl("codebook_matmul", &rlx::codebook::cpu::forward_cpu);
 }
+#endif

@@ -1,26 +1,13 @@
 // CPU kernel for rlx::codebook_matmul_backward: lookup-table scatter for small batches,
 // dequantized weight tiles + GEMM for large ones (the algorithm is described in codebook.cpp).
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
-#include "codebook_gather.h"
+RLX_ISA_BEGIN
 #include "codebook_lut.h"
 
-#include <algorithm>
-#include <array>
-#include <tuple>
-#include <vector>
-
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
-
-// Fixed (thread-count independent) partition of the groups into blocks: each block's
-// dcodebook partial is summed in block order, so results never depend on scheduling.
-int64_t backward_groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
-  return std::min(groups_per_block(d, bt, acc_size), std::max<int64_t>(1, ceil_div(d.groups, 16)));
-}
 
 // gT[tile][j][b] = grad[b0 + b, j] * s_j in acc_t, zero rows past the batch.
 template <typename scalar_t, typename acc_t, int BT>
@@ -55,13 +42,13 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
       const acc_t gv = gT[j];
       for (int64_t gm = 0; gm < steps; ++gm) dL[gm * E + ip[gm]] += gv;
     } else {
-      using V = typename Vec<acc_t>::type;
-      constexpr int W = Vec<acc_t>::width, NV = BT / W;
+      using V = SimdVec<acc_t>;
+      constexpr int W = kVecLanes<acc_t>, NV = BT / W;
       V gv[NV];
-      for (int v = 0; v < NV; ++v) gv[v] = load_vec<V>(gT + j * BT + v * W);
+      for (int v = 0; v < NV; ++v) gv[v] = load_vec(gT + j * BT + v * W);
       for (int64_t gm = 0; gm < steps; ++gm) {
         acc_t* r = dL + (gm * E + ip[gm]) * BT;
-        for (int v = 0; v < NV; ++v) store_vec(r + v * W, load_vec<V>(r + v * W) + gv[v]);
+        for (int v = 0; v < NV; ++v) store_vec(r + v * W, load_vec(r + v * W) + gv[v]);
       }
     }
   }
@@ -70,11 +57,11 @@ void scatter_block(const Dims& d, const uint8_t* idx, const acc_t* gT, int64_t g
 // sum_i a[i] * b[i] with W independent lanes, reduced in a fixed order.
 template <typename acc_t>
 acc_t dot(const acc_t* a, const acc_t* b, int64_t n) {
-  using V = typename Vec<acc_t>::type;
-  constexpr int W = Vec<acc_t>::width;
+  using V = SimdVec<acc_t>;
+  constexpr int W = kVecLanes<acc_t>;
   V s = {};
   int64_t i = 0;
-  for (; i + W <= n; i += W) s += load_vec<V>(a + i) * load_vec<V>(b + i);
+  for (; i + W <= n; i += W) s += load_vec(a + i) * load_vec(b + i);
   acc_t total = 0;
   for (int k = 0; k < W; ++k) total += s[k];
   for (; i < n; ++i) total += a[i] * b[i];
@@ -109,8 +96,8 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
         out[t] = static_cast<scalar_t>(sum);
       }
     } else {
-      using V = typename Vec<acc_t>::type;
-      constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+      using V = SimdVec<acc_t>;
+      constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
       int64_t t0 = 0;
       // TT entry coordinates at once: TT*NV independent FMA chains per dL row load.
       for (; t0 < D; t0 += TT) {
@@ -121,7 +108,7 @@ void dx_block(const Dims& d, const acc_t* cbT, const acc_t* dL, int64_t g0, int6
           const acc_t* ct = cbT + (m * D + t0) * E;
           for (int64_t c = 0; c < E; ++c) {
             V r[NV];
-            for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(rows + c * BT + v * W);
+            for (int v = 0; v < NV; ++v) r[v] = load_vec(rows + c * BT + v * W);
             for (int tt = 0; tt < TT; ++tt) {
               const acc_t w = tt < nt ? ct[tt * E + c] : acc_t(0);
               for (int v = 0; v < NV; ++v) a[tt][v] += w * r[v];
@@ -151,8 +138,8 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
         for (int64_t t = 0; t < D; ++t) wide[mc * D + t] += v * xT[g * D + t];
       }
   } else {
-    using V = typename Vec<acc_t>::type;
-    constexpr int W = Vec<acc_t>::width, NV = BT / W, TT = 4;
+    using V = SimdVec<acc_t>;
+    constexpr int W = kVecLanes<acc_t>, NV = BT / W, TT = 4;
     for (int64_t mc = 0; mc < M * E; ++mc) {
       for (int64_t t0 = 0; t0 < D; t0 += TT) {
         const int64_t nt = std::min<int64_t>(TT, D - t0);
@@ -161,16 +148,16 @@ void dcodebook_block(const Dims& d, const acc_t* dL, const acc_t* xT, int64_t ng
           if (skip(g, mc)) continue;
           const acc_t* row = dL + (g * M * E + mc) * BT;
           V r[NV];
-          for (int v = 0; v < NV; ++v) r[v] = load_vec<V>(row + v * W);
+          for (int v = 0; v < NV; ++v) r[v] = load_vec(row + v * W);
           for (int tt = 0; tt < TT; ++tt) {
             if (tt >= nt) break;
             const acc_t* xr = xT + (g * D + t0 + tt) * BT;
-            for (int v = 0; v < NV; ++v) a[tt][v] += r[v] * load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) a[tt][v] += r[v] * load_vec(xr + v * W);
           }
         }
         for (int64_t tt = 0; tt < nt; ++tt) {
           acc_t* w = wide + (mc * D + t0 + tt) * BT;
-          for (int v = 0; v < NV; ++v) store_vec(w + v * W, load_vec<V>(w + v * W) + a[tt][v]);
+          for (int v = 0; v < NV; ++v) store_vec(w + v * W, load_vec(w + v * W) + a[tt][v]);
         }
       }
     }
@@ -190,7 +177,7 @@ inline void mark_used(const Dims& d, const uint8_t* idx, int64_t g0, int64_t ng,
 // LUT backward for dx (written into dx) and the per-block dcodebook partials [blocks][M*E*D].
 template <typename scalar_t, typename acc_t, int BT>
 void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const uint8_t* idx,
-                  const CodebookAcc<acc_t>& C, const scalar_t* scales, scalar_t* dx,
+                  const acc_t* cbT, const scalar_t* scales, scalar_t* dx,
                   acc_t* dc_parts, int64_t gpb, bool mask_dx, bool mask_dc) {
   const int64_t B = d.rows, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries, MED = M * E * D;
@@ -212,7 +199,7 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
         scatter_block<acc_t, BT>(d, idx, gT.data() + tile * d.out_features * BT, g0, ng,
                                  dL.data());
         if (dx)
-          dx_block<scalar_t, acc_t, BT>(d, C.dataT(), dL.data(), g0, ng, b0, nb, dx, used_dx);
+          dx_block<scalar_t, acc_t, BT>(d, cbT, dL.data(), g0, ng, b0, nb, dx, used_dx);
         if (dc_parts) {
           load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
           dcodebook_block<acc_t, BT>(d, dL.data(), xT.data(), ng, wide.data(), used_dc);
@@ -230,16 +217,50 @@ void lut_backward(const Dims& d, const scalar_t* grad, const scalar_t* x, const 
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+}  // namespace
+
+template <typename scalar_t, typename acc_t>
+void lut_backward_rows(const Dims& d, const scalar_t* grad, const scalar_t* x,
+                       const uint8_t* idx, const acc_t* cbT, const scalar_t* scales,
+                       scalar_t* dx, acc_t* dc_parts, int64_t gpb, bool mask_dx, bool mask_dc) {
+  with_tile_shape(d.rows, [&](auto BT, auto) {
+    lut_backward<scalar_t, acc_t, BT>(d, grad, x, idx, cbT, scales, dx, dc_parts, gpb, mask_dx,
+                                      mask_dc);
+  });
+}
+
+#define RLX_INSTANTIATE_LUT_BACKWARD(scalar_t)                                                \
+  template void lut_backward_rows<scalar_t, acc_type_t<scalar_t>>(                          \
+      const Dims&, const scalar_t*, const scalar_t*, const uint8_t*,                         \
+      const acc_type_t<scalar_t>*, const scalar_t*, scalar_t*, acc_type_t<scalar_t>*, int64_t, \
+      bool, bool);
+RLX_INSTANTIATE_LUT_BACKWARD(float)
+RLX_INSTANTIATE_LUT_BACKWARD(double)
+
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
+namespace rlx::codebook::cpu {
+namespace {
+
+// uint8 indices, after the checks.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_u8(
     const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
-    std::array<bool, 4> mask) {
-  const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
-  if (d.index_bytes == 2) return gather_backward_op(grad_out, x, indices, codebook, scales, mask, d);
-  check_index_range(indices, d);
+    std::array<bool, 4> mask, const Dims& d) {
+  if (x.scalar_type() == at::kHalf || x.scalar_type() == at::kBFloat16) {
+    // As in the forward: 16-bit inputs run the float32 kernels on float32 copies (the
+    // kernels widen every element they read and round each gradient once either way).
+    auto [dx, dC, ds, db] = backward_u8(grad_out.to(at::kFloat), x.to(at::kFloat), indices,
+                                        codebook.to(at::kFloat), to_float(scales), mask, d);
+    const auto t = x.scalar_type();
+    return {dx.to(t), dC.to(t), ds.to(t), db.to(t)};
+  }
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
-  const at::ScalarType acc_type = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc_type = acc_dtype(x.scalar_type());
   auto g2d = grad_out.reshape({d.rows, d.out_features}).contiguous();
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
@@ -247,8 +268,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   at::Tensor dx = mask[0] ? at::empty(x.sizes(), x.options()) : skipped();
   at::Tensor dC = skipped(), ds = skipped(), db = skipped();
   if (mask[3]) db = g2d.to(acc_type).sum(0).to(x.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "codebook_matmul_backward", [&] {
+    using acc_t = acc_type_t<scalar_t>;
     const CodebookAcc<acc_t> C(codebook, d);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const uint8_t* ip = idx.data_ptr<uint8_t>();
@@ -259,10 +280,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
         raw = dense_raw<acc_t>(d, x2d.to(acc_type), ip, C.data());
       } else {
         raw = at::empty({d.rows, d.out_features}, at::dtype(acc_type));
-        with_tile_shape(d.rows, [&](auto BT, auto JT) {
-          lut_forward<scalar_t, acc_t, acc_t, BT, JT>(d, x2d.data_ptr<scalar_t>(), ip, C, nullptr,
-                                                      nullptr, raw.data_ptr<acc_t>());
-        });
+        RLX_ISA_CALL(lut_forward_rows<scalar_t, acc_t, acc_t>)(
+            d, x2d.data_ptr<scalar_t>(), ip, C.data(), C.dataT(), nullptr, nullptr,
+            raw.data_ptr<acc_t>());
       }
       ds = (g2d.to(acc_type) * raw).sum(0).to(x.scalar_type());
     }
@@ -289,13 +309,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
       // dcodebook) they must skip the entries no index selects to agree with the dense path.
       const bool mask_dx = mask[0] && !at::isfinite(codebook).all().item<bool>();
       const bool mask_dc = mask[1] && !at::isfinite(x).all().item<bool>();
-      with_tile_shape(d.rows, [&](auto BT, auto JT) {
-        const int64_t gpb = backward_groups_per_block(d, BT, sizeof(acc_t));
-        acc_t* dc_parts = run(gpb);
-        lut_backward<scalar_t, acc_t, BT>(d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(),
-                                          ip, C, sp, mask[0] ? dx.data_ptr<scalar_t>() : nullptr,
-                                          dc_parts, gpb, mask_dx, mask_dc);
-      });
+      const int64_t gpb = backward_groups_per_block(d, tile_rows(d.rows), sizeof(acc_t));
+      acc_t* dc_parts = run(gpb);
+      RLX_ISA_CALL(lut_backward_rows<scalar_t, acc_t>)(
+          d, g2d.data_ptr<scalar_t>(), x2d.data_ptr<scalar_t>(), ip, C.dataT(), sp,
+          mask[0] ? dx.data_ptr<scalar_t>() : nullptr, dc_parts, gpb, mask_dx, mask_dc);
     }
     if (mask[1]) {
       // Fixed-order reduction of the block partials (parts is [blocks, M*E*D]).
@@ -307,9 +325,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
   return {dx, dC, ds, db};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
+    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+    std::array<bool, 4> mask) {
+  const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
+  if (d.index_bytes == 2) {
+    return RLX_ISA_CALL(gather_backward_op)(grad_out, x, indices, codebook, scales, mask, d);
+  }
+  check_index_range(indices, d);
+  return backward_u8(grad_out, x, indices, codebook, scales, mask, d);
+}
+
 }  // namespace
 }  // namespace rlx::codebook::cpu
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
   m.impl("codebook_matmul_backward", &rlx::codebook::cpu::backward_cpu);
 }
+#endif

@@ -1,22 +1,21 @@
 // rlx::codebook_matmul and its backward for 16-bit indices on CPU: the gather kernels of
-// codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_lut.h) for large
+// codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_kernels.h) for large
 // ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
+#include "cpu_kernel_deps.h"
+#include "codebook_kernels.h"
 
-#include "codebook_gather.h"
-
-#if defined(__x86_64__) && defined(__AVX2__) && (defined(__GNUC__) || defined(__clang__))
+// The float16/bfloat16 codebook kernel carries its own target and is taken only where the CPU
+// has AVX2, FMA (and F16C for float16), so it exists in both ISA copies.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define RLX_HALF_GATHER 1
 #endif
 
-namespace rlx::codebook::cpu {
-namespace {
+RLX_ISA_BEGIN
+#include "codebook_gather.h"
 
-at::ScalarType acc_type_of(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+namespace {
 
 const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
   // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
@@ -88,7 +87,8 @@ at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_
   const at::ScalarType ct = codebook.scalar_type();
   const bool bf16 = ct == at::kBFloat16;
   if (x_acc.scalar_type() != at::kFloat || (ct != at::kHalf && !bf16) || d.entry_dim != 8 ||
-      use_gather_dense(d) || (!bf16 && !__builtin_cpu_supports("f16c")))
+      use_gather_dense(d) || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
+      (!bf16 && !__builtin_cpu_supports("f16c")))
     return {};
   auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
   if (d.rows == 0 || d.out_features == 0) return raw;
@@ -134,7 +134,7 @@ at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
                              const std::optional<at::Tensor>& bias, const Dims& d) {
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
@@ -156,7 +156,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask, const Dims& d) {
   const auto skipped = [&] { return at::empty({0}, x.options()); };
-  const at::ScalarType acc = acc_type_of(x);
+  const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto g_acc = grad_out.reshape({d.rows, d.out_features}).to(acc).contiguous();
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
@@ -204,4 +204,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   return {dx, dC, ds, db};
 }
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END

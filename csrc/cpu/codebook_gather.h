@@ -16,7 +16,7 @@
 // reported (the caller raises); the kernels never read outside the codebook.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Parallel.h>
 
 #include <rlx/codebook.h>
@@ -30,9 +30,13 @@
 #include <cstring>
 #include <vector>
 
+#include "vec.h"
+
 #include "codebook_lut.h"
 
-namespace rlx::codebook::cpu {
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
 // Largest index >= E seen by a kernel (-1: none), for the caller's error message.
 struct BadIndex {
@@ -49,12 +53,6 @@ struct BadIndex {
   }
 };
 
-// A D-wide vector of acc_t (D in {4, 8, 16}: 16 to 128 bytes, one to four AVX registers).
-template <typename acc_t, int D>
-struct EntryVec {
-  typedef acc_t type __attribute__((vector_size(D * sizeof(acc_t))));
-};
-
 inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward work item
 inline constexpr int64_t kMaxGatherBatch = 16;     // the gather path's batch limit (else dense)
 
@@ -65,7 +63,9 @@ inline bool use_gather_dense(const Dims& d) { return d.rows > kMaxGatherBatch; }
 template <typename acc_t, int D, int BT, int JT>
 void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, const acc_t* cb,
                        int64_t j0, int64_t j1, acc_t* raw, int64_t raw_stride, BadIndex& bad) {
-  using V = typename EntryVec<acc_t, D>::type;
+  // One codebook entry, D lanes of acc_t (D in {4, 8, 16}: 16 to 128 bytes, one to four AVX
+  // registers).
+  using V = Vec<acc_t, D>;
   const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, K = d.in_features;
   const int64_t steps = G * M;
   for (int64_t j = j0; j < j1; j += JT) {
@@ -460,4 +460,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
     const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
     std::array<bool, 4> mask, const Dims& d);
 
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS

@@ -1,11 +1,11 @@
 // Internal CPU building blocks of the codebook matmul kernels (lookup table and dense
-// paths), shared by codebook.cpp (forward) and codebook_backward.cpp. See codebook.cpp for
-// the algorithm.
+// paths), shared by codebook.cpp (forward) and codebook_backward.cpp; the host code's parts
+// are in codebook_kernels.h. See codebook.cpp for the algorithm.
 #pragma once
 
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <rlx/acc_type.h>
 #include <rlx/codebook.h>
 
 #include <algorithm>
@@ -16,16 +16,12 @@
 #include <type_traits>
 #include <vector>
 
-namespace rlx::codebook::cpu {
+#include "codebook_kernels.h"
+#include "vec.h"
 
-template <typename T>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
+namespace rlx::codebook::cpu::RLX_ISA_NS {
+
+using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
 // Fully unrolls a loop over a compile-time count, so that its vector accumulators stay in
 // registers (GCC otherwise keeps the arrays on the stack and copies them around).
@@ -44,9 +40,6 @@ struct AccType<double> {
 #define RLX_NO_SLP
 #endif
 
-inline constexpr int64_t kLutBlockBytes = 256 * 1024;       // table block per work item: stays in L2
-inline constexpr int64_t kLutBlockBytesOneRow = 32 * 1024;  // one-row tables (see below)
-inline constexpr int64_t kDenseTileBytes = 4 << 20;    // dequantized weight tile (dense path)
 
 // Table and gradient buffers start on a cache line: a BT = 16 float row is exactly one
 // 64-byte line, and malloc's 16-byte alignment would split every lookup over two lines
@@ -68,19 +61,6 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline constexpr int64_t kPrefetchRows = 32;  // index rows fetched ahead by the gathers
 
-inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
-inline int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
-  const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
-  // One batch row reads 4 bytes of a table line per lookup: an L1-sized block (32 groups for
-  // E = 256 float entries). Each pass over the rows then reads half of each 64-byte index
-  // line, the other half comes from L2 on the next pass; with the index rows prefetched ahead
-  // this measured fastest (1 row, 1 thread, N = K = 4096: 0.72 ms against 0.77 for 24 KiB,
-  // 0.85-1.04 for 16 KiB and 0.88-0.95 for 64 KiB).
-  const int64_t bytes = bt == 1 ? kLutBlockBytesOneRow : kLutBlockBytes;
-  return std::clamp<int64_t>(bytes / per_group, 1, std::max<int64_t>(d.groups, 1));
-}
 
 // xT[c][b] = x[b0 + b, c0 + c] for b < nb, zero padding up to BT (one tile of batch rows).
 template <typename scalar_t, typename acc_t, int BT>
@@ -91,26 +71,6 @@ void load_x_tile(const scalar_t* x, int64_t K, int64_t b0, int64_t nb, int64_t c
     const scalar_t* row = x + (b0 + b) * K + c0;
     for (int64_t c = 0; c < nc; ++c) xT[c * BT + b] = static_cast<acc_t>(row[c]);
   }
-}
-
-// 256-bit vectors via the GCC/Clang vector extension: explicit vectors keep the BT-wide
-// accumulators in registers (the compiler scalarizes plain local arrays of this size).
-template <typename T>
-struct Vec {
-  typedef T type __attribute__((vector_size(32)));
-  static constexpr int width = 32 / sizeof(T);
-};
-
-template <typename V, typename T>
-inline V load_vec(const T* p) {
-  V v;
-  std::memcpy(&v, p, sizeof(V));
-  return v;
-}
-
-template <typename V, typename T>
-inline void store_vec(T* p, const V& v) {
-  std::memcpy(p, &v, sizeof(V));
 }
 
 // L[g][m][c][b] for the ng groups held in xT ([ng*D][BT]).
@@ -130,8 +90,8 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
         }
       } else {
-        using V = typename Vec<acc_t>::type;
-        constexpr int W = Vec<acc_t>::width, NV = BT / W;
+        using V = SimdVec<acc_t>;
+        constexpr int W = kVecLanes<acc_t>, NV = BT / W;
         static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
         // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
         constexpr int CB = NV >= 8 ? 1 : 8 / NV;
@@ -143,7 +103,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t* xr = xT + (g * D + t) * BT;
             V xv[NV];
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) xv[v] = load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) xv[v] = load_vec(xr + v * W);
             RLX_UNROLL
             for (int q = 0; q < CB; ++q) {
               const acc_t w = entry[q * D + t];
@@ -163,7 +123,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t w = entry[t];
             const acc_t* xr = xT + (g * D + t) * BT;
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) a[v] += w * load_vec<V>(xr + v * W);
+            for (int v = 0; v < NV; ++v) a[v] += w * load_vec(xr + v * W);
           }
           RLX_UNROLL
           for (int v = 0; v < NV; ++v) store_vec(Lgm + c * BT + v * W, a[v]);
@@ -233,8 +193,8 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       acc[j - j0] = a;
     }
   } else {
-    using V = typename Vec<acc_t>::type;
-    constexpr int W = Vec<acc_t>::width, NV = BT / W;
+    using V = SimdVec<acc_t>;
+    constexpr int W = kVecLanes<acc_t>, NV = BT / W;
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {
       V a[JT][NV];
@@ -242,7 +202,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[q][v] = load_vec<V>(acc + (j + q - j0) * BT + v * W);
+        for (int v = 0; v < NV; ++v) a[q][v] = load_vec(acc + (j + q - j0) * BT + v * W);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
@@ -252,7 +212,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
         for (int q = 0; q < JT; ++q) {
           const acc_t* r = Lgm + ip[q][gm] * BT;
           RLX_UNROLL
-          for (int v = 0; v < NV; ++v) a[q][v] += load_vec<V>(r + v * W);
+          for (int v = 0; v < NV; ++v) a[q][v] += load_vec(r + v * W);
         }
       }
       RLX_UNROLL
@@ -263,12 +223,12 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
     for (; j < j1; ++j) {
       V a[NV];
       RLX_UNROLL
-      for (int v = 0; v < NV; ++v) a[v] = load_vec<V>(acc + (j - j0) * BT + v * W);
+      for (int v = 0; v < NV; ++v) a[v] = load_vec(acc + (j - j0) * BT + v * W);
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* r = L + (gm * E + ip[gm]) * BT;
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[v] += load_vec<V>(r + v * W);
+        for (int v = 0; v < NV; ++v) a[v] += load_vec(r + v * W);
       }
       RLX_UNROLL
       for (int v = 0; v < NV; ++v) store_vec(acc + (j - j0) * BT + v * W, a[v]);
@@ -276,20 +236,6 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
   }
 }
 
-// Codebook in the accumulation type, as [M][E][D] and transposed [M][D][E].
-template <typename acc_t>
-struct CodebookAcc {
-  at::Tensor cb, cbT;
-  // transposed: also build cbT (the lookup-table kernels use it; the gather kernels do not).
-  CodebookAcc(const at::Tensor& codebook, const Dims& d, bool transposed = true) {
-    auto c = codebook.reshape({d.num_codebooks, d.num_entries, d.entry_dim})
-                 .to(c10::CppTypeToScalarType<acc_t>::value);
-    cb = c.contiguous();
-    if (transposed) cbT = c.transpose(1, 2).contiguous();
-  }
-  const acc_t* data() const { return cb.data_ptr<acc_t>(); }
-  const acc_t* dataT() const { return cbT.data_ptr<acc_t>(); }
-};
 
 // Work items are (batch tile, group chunk) pairs; the chunk count is derived from the shape
 // alone, never from the thread count, so every thread count gives bitwise the same result.
@@ -304,8 +250,8 @@ inline int64_t group_chunks(int64_t num_tiles, int64_t num_blocks) {
 
 // out[b, j] = s_j * raw[b, j] + bias_j (scales/bias may be null), out_t is scalar_t or acc_t.
 template <typename scalar_t, typename acc_t, typename out_t, int BT, int JT>
-void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const CodebookAcc<acc_t>& C,
-                 const scalar_t* scales, const scalar_t* bias, out_t* out) {
+void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
+                 const acc_t* cbT, const scalar_t* scales, const scalar_t* bias, out_t* out) {
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries;
   if (B == 0 || N == 0) return;
@@ -314,8 +260,6 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
   const int64_t num_blocks = std::max<int64_t>(1, ceil_div(d.groups, gpb));
   const int64_t blocks_per_chunk = ceil_div(num_blocks, group_chunks(num_tiles, num_blocks));
   const int64_t chunks = ceil_div(num_blocks, blocks_per_chunk);
-  const acc_t* cb = C.data();
-  const acc_t* cbT = C.dataT();
   // out[b0 + b, j] = raw * s_j + bias_j for j in [j0, j1), raw = acc[j - j0][b].
   const auto write_out = [&](const acc_t* acc, int64_t b0, int64_t nb, int64_t j0, int64_t j1) {
     for (int64_t j = j0; j < j1; ++j) {
@@ -364,39 +308,10 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const Cod
   });
 }
 
-// Calls f(BT, JT), each a std::integral_constant<int, ...>, with the tile shape suited to B rows.
-template <typename F>
-void with_tile_shape(int64_t B, F&& f) {
-  if (B <= 2) {
-    f(std::integral_constant<int, 1>{}, std::integral_constant<int, 8>{});
-  } else if (B <= 8) {
-    f(std::integral_constant<int, 8>{}, std::integral_constant<int, 4>{});
-  } else if (B <= 24) {
-    f(std::integral_constant<int, 16>{}, std::integral_constant<int, 4>{});
-  } else {
-    f(std::integral_constant<int, 32>{}, std::integral_constant<int, 1>{});
-  }
-}
-
-// The LUT costs about E*M table FMAs plus N*M/D gathered adds per (row, input feature);
-// the dense path N FMAs at GEMM speed plus dequantizing the weight once. Weights measured on
-// an AVX2 machine: a table FMA ~1/16, a gathered add ~1/8, a GEMM FMA ~1/24 cycle.
-inline bool use_dense(const Dims& d) {
-  if (d.rows < 64) return false;
-  const double M = static_cast<double>(d.num_codebooks);
-  const double lut = d.num_entries * M / 16.0 + d.out_features * M / (8.0 * d.entry_dim);
-  const double dense = d.out_features / 24.0 + d.out_features * M / (4.0 * d.rows);
-  return lut > dense;
-}
-
-// W[j - j0, g*D + t] = sum_m C[m, idx[j, g, m], t] for rows [j0, j1).
-// index_t: uint8_t, or uint16_t for 16-bit indices (range-checked by the caller).
 template <typename acc_t, typename index_t>
-at::Tensor dequantize_rows(const Dims& d, const index_t* idx, const acc_t* cb, int64_t j0,
-                           int64_t j1) {
+void dequantize_rows(const Dims& d, const index_t* idx, const acc_t* cb, int64_t j0, int64_t j1,
+                     acc_t* w) {
   const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
-  at::Tensor W = at::empty({j1 - j0, K}, at::dtype(c10::CppTypeToScalarType<acc_t>::value));
-  acc_t* w = W.data_ptr<acc_t>();
   at::parallel_for(j0, j1, 16, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j) {
       acc_t* row = w + (j - j0) * K;
@@ -411,65 +326,27 @@ at::Tensor dequantize_rows(const Dims& d, const index_t* idx, const acc_t* cb, i
       }
     }
   });
-  return W;
 }
 
-inline int64_t dense_tile_rows(const Dims& d, int64_t acc_size) {
-  return std::max<int64_t>(64, kDenseTileBytes / std::max<int64_t>(d.in_features * acc_size, 1));
-}
-
-// raw[b, j] = sum_k x[b, k] W[j, k] in the accumulation dtype, one weight tile at a time.
 template <typename acc_t, typename index_t>
-at::Tensor dense_raw(const Dims& d, const at::Tensor& x_acc, const index_t* idx, const acc_t* cb) {
-  auto rawT = at::empty({d.out_features, d.rows}, x_acc.options());
-  const int64_t tile = dense_tile_rows(d, sizeof(acc_t));
-  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
-    const int64_t j1 = std::min(d.out_features, j0 + tile);
-    auto dst = rawT.narrow(0, j0, j1 - j0);
-    at::mm_out(dst, dequantize_rows<acc_t>(d, idx, cb, j0, j1), x_acc.t());
-  }
-  return rawT.t();
-}
-
-// Dense backward for large batches: per weight tile, dx += gs @ W and dW = gs^T @ x, whose
-// rows are scattered into per-block dcodebook partials.
-template <typename acc_t, typename index_t>
-void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc,
-                    const index_t* idx, const acc_t* cb, at::Tensor* dx_acc, acc_t* dc_parts,
-                    int64_t gpb) {
+void scatter_weight_grad(const Dims& d, const acc_t* dw, const index_t* idx, int64_t j0,
+                         int64_t j1, int64_t gpb, acc_t* dc_parts) {
   const int64_t K = d.in_features, D = d.entry_dim, M = d.num_codebooks, E = d.num_entries;
-  const int64_t num_blocks = ceil_div(d.groups, gpb), tile = dense_tile_rows(d, sizeof(acc_t));
-  for (int64_t j0 = 0; j0 < d.out_features; j0 += tile) {
-    const int64_t j1 = std::min(d.out_features, j0 + tile);
-    const at::Tensor g_tile = gs.narrow(1, j0, j1 - j0);
-    if (dx_acc) dx_acc->addmm_(g_tile, dequantize_rows<acc_t>(d, idx, cb, j0, j1));
-    if (!dc_parts) continue;
-    const at::Tensor dW = at::mm(g_tile.t(), x_acc);
-    const acc_t* dw = dW.data_ptr<acc_t>();
-    at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t blk = begin; blk < end; ++blk) {
-        acc_t* part = dc_parts + blk * M * E * D;
-        const int64_t g1 = std::min(d.groups, (blk + 1) * gpb);
-        for (int64_t j = j0; j < j1; ++j) {
-          for (int64_t g = blk * gpb; g < g1; ++g) {
-            const acc_t* src = dw + (j - j0) * K + g * D;
-            for (int64_t m = 0; m < M; ++m) {
-              acc_t* dst = part + (m * E + idx[(j * d.groups + g) * M + m]) * D;
-              for (int64_t t = 0; t < D; ++t) dst[t] += src[t];
-            }
+  at::parallel_for(0, ceil_div(d.groups, gpb), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t blk = begin; blk < end; ++blk) {
+      acc_t* part = dc_parts + blk * M * E * D;
+      const int64_t g1 = std::min(d.groups, (blk + 1) * gpb);
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t g = blk * gpb; g < g1; ++g) {
+          const acc_t* src = dw + (j - j0) * K + g * D;
+          for (int64_t m = 0; m < M; ++m) {
+            acc_t* dst = part + (m * E + idx[(j * d.groups + g) * M + m]) * D;
+            for (int64_t t = 0; t < D; ++t) dst[t] += src[t];
           }
         }
       }
-    });
-  }
+    }
+  });
 }
 
-// E < 256 leaves uint8 values that would read past the codebook; 256 entries cannot overflow.
-inline void check_index_range(const at::Tensor& indices, const Dims& d) {
-  if (d.num_entries >= 256 || indices.numel() == 0) return;
-  const int64_t top = indices.max().item<uint8_t>();
-  TORCH_CHECK_VALUE(top < d.num_entries, "codebook_matmul: indices must be < E=", d.num_entries,
-                    " (the number of codebook entries), found ", top);
-}
-
-}  // namespace rlx::codebook::cpu
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS

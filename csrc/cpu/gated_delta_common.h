@@ -1,5 +1,5 @@
 // Gated delta rule on the CPU: token-by-token recurrence with float32 (float64) state.
-// What the forward (gated_delta_forward.cpp) and the backward (gated_delta_backward.cpp)
+// What the forward (gated_delta_forward.cpp) and the backward (gated_delta_backward*.cpp)
 // share: the layouts, vectors, row loads, reductions and prefetches below.
 //
 // Per (sequence, value head hv), state S in R^{K x V}, q/k head h = hv / (HV / H):
@@ -8,9 +8,11 @@
 // Forward: parallel over (sequence, hv, group of V-blocks) -- the columns of S evolve
 // independently -- and keeps S every C tokens in the checkpoint buffer
 // (gdn_backward_layout.h).
-// Backward: parallel over (sequence, q/k head); for each value head of the group it walks
+// Backward (token by token, gated_delta_backward_recurrent.cpp; the chunked form for decays,
+// gated_delta_backward_chunked.cpp, works on blocks of tokens instead):
+// parallel over (sequence, q/k head); for each value head of the group it walks
 // the chunks backwards, recomputes the chunk's states from its checkpoint (in sub-chunks
-// when they are very large, see backward_kernel), and runs the reverse recurrence for dS
+// when they are very large, see RecurrentBackward), and runs the reverse recurrence for dS
 // over them, one block of columns at a time (the columns evolve independently; a block's
 // states fit L2): the per-token row factors are computed once per chunk for all blocks, and
 // the blocks' partial dq/dk/dg/dbeta are summed in a fixed order. dq/dk of a group are summed
@@ -28,7 +30,7 @@
 // its value heads are summed.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
@@ -41,16 +43,22 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX__)
+#if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
+#include "rlx/acc_type.h"
 #include "rlx/gdn_backward_layout.h"
 #include "rlx/gdn_checks.h"
+#include "cpu_isa.h"
+#include "gated_delta_kernels.h"
 #include "huge_pages.h"
 #include "l2norm_row.h"
+#include "vec.h"
 
 namespace rlx {
+
+namespace RLX_ISA_NS {
 namespace {
 
 // The forward keeps its state block row-major ([K, nv], fla's layout): a block of columns is
@@ -64,17 +72,6 @@ namespace {
 
 template <typename acc_t>
 using AccVec = std::vector<acc_t>;
-
-// Raw pointers of one call; token index tok = b * T + t (the packed position when varlen).
-template <typename in_t, typename acc_t>
-struct Views {
-  const in_t *q, *k, *v;
-  const acc_t *g, *beta;
-  const int64_t* cu;  // nullptr when not varlen
-  acc_t scale;
-  bool l2norm;  // q and k are L2-normalized inside the kernels (l2norm_row.h)
-  acc_t l2norm_eps;
-};
 
 // Decay factors a = exp(g) of value head hv: one per key channel, or one broadcast to all K.
 template <typename acc_t>
@@ -90,55 +87,17 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
   }
 }
 
-// 256-bit vectors through the GCC/Clang vector extension (portable to NEON and AVX).
-// Every function here has internal linkage, so the ABI note GCC gives for passing such
-// vectors in a build without AVX (RLX_AVX2=0) does not apply.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
-template <typename T>
-struct VecOf;
-template <>
-struct VecOf<float> {
-  typedef float type __attribute__((vector_size(32)));
-};
-template <>
-struct VecOf<double> {
-  typedef double type __attribute__((vector_size(32)));
-};
-template <typename acc_t>
-using Vec256 = typename VecOf<acc_t>::type;
-
-template <typename acc_t>
-inline Vec256<acc_t> load_vec(const acc_t* p) {
-  Vec256<acc_t> x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-template <typename acc_t>
-inline void store_vec(acc_t* p, const Vec256<acc_t>& x) {
-  std::memcpy(p, &x, sizeof(x));
-}
-
-template <typename acc_t>
-inline acc_t hsum(const Vec256<acc_t>& x) {
-  constexpr int64_t L = sizeof(x) / sizeof(acc_t);
-  acc_t s = 0;
-  for (int64_t l = 0; l < L; ++l) s += x[l];
-  return s;
-}
-
-// out[j] = the sum of x[j]'s lanes, j < n. Eight float vectors at a time are reduced by a
+// out[j] = the sum of x[j]'s lanes, j < n. Eight 8-float vectors at a time are reduced by a
 // transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
 // instructions per column for hsum (the backward reduces 2 V columns per token; in-process
 // A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
 // Fixed order, so still reproducible.
 template <typename acc_t>
-inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
+inline void hsum_columns(const SimdVec<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
   int64_t j = 0;
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#if RLX_VEC_BYTES == 32 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = Vec256<float>;
+    using vec = SimdVec<float>;
     auto pair = [](const vec& a, const vec& b) {
       return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
              __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
@@ -160,8 +119,8 @@ inline void hsum_columns(const Vec256<acc_t>* __restrict x, int64_t n, acc_t* __
 
 // sum_i x[i] y[i] over [0, n) as a vector of lane sums (n a multiple of the vector length).
 template <typename acc_t>
-inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
-  using vec = Vec256<acc_t>;
+inline SimdVec<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t* __restrict y) {
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec s0 = {}, s1 = {};
   int64_t i = 0;
@@ -180,7 +139,7 @@ inline Vec256<acc_t> dot_lanes(int64_t n, const acc_t* __restrict x, const acc_t
 template <typename in_t, typename acc_t>
 inline void l2norm_rstd_rows(const in_t* x, int64_t stride, int64_t n, int64_t K, acc_t eps,
                              acc_t* out) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   if constexpr (std::is_same_v<in_t, acc_t>) {
     if (K % L == 0) {
@@ -219,8 +178,8 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
 // written once and read by no one soon, which would otherwise first be read for ownership,
 // a cache miss the token loops wait on.
 template <typename acc_t>
-inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
-#if defined(__AVX__)
+inline void stream_vec(acc_t* dst, const SimdVec<acc_t>& x) {
+#if RLX_ISA_AVX
   if constexpr (std::is_same_v<acc_t, float>) {
     _mm256_stream_ps(dst, reinterpret_cast<const __m256&>(x));
   } else {
@@ -229,7 +188,7 @@ inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
 #elif defined(__aarch64__) && defined(__clang__)
   // One STNP of two q registers (Apple silicon's compiler is clang; GCC has no such builtin).
   // Arm orders it like any store, so unlike x86's streaming stores it needs no fence.
-  __builtin_nontemporal_store(x, reinterpret_cast<Vec256<acc_t>*>(dst));
+  __builtin_nontemporal_store(x, reinterpret_cast<SimdVec<acc_t>*>(dst));
 #else
   store_vec(dst, x);
 #endif
@@ -238,7 +197,7 @@ inline void stream_vec(acc_t* dst, const Vec256<acc_t>& x) {
 // dst[0, n) = src, streamed (stream_vec) when dst is vector-aligned.
 template <typename acc_t>
 inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t i = 0;
   if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
     for (; i + L <= n; i += L) stream_vec(dst + i, load_vec(src + i));
@@ -246,30 +205,6 @@ inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64
   for (; i < n; ++i) dst[i] = src[i];
 }
 
-// Whether the forward keeps vw = v - P^T k per token (gated_delta_fwd's fourth output): the
-// chunked backward (one gate per head) then reads it instead of recomputing it, a triangular
-// solve and a product with the state per sub-chunk. The token-by-token backward (a gate per
-// key channel) does not use it.
-inline bool gdn_keeps_vw(const GdnProblem& p) {
-  return ::rlx::gdn_keeps_vw(p.chunk, p.gate_per_channel);
-}
-
-inline std::optional<at::Tensor> contiguous_opt(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return t;
-  return t->contiguous();
-}
-
-template <typename in_t, typename acc_t>
-inline Views<in_t, acc_t> make_views(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& g, const at::Tensor& beta,
-                              const std::optional<at::Tensor>& cu, double scale,
-                              std::optional<double> l2norm_eps) {
-  return Views<in_t, acc_t>{q.data_ptr<in_t>(),    k.data_ptr<in_t>(),
-                            v.data_ptr<in_t>(),    g.data_ptr<acc_t>(),
-                            beta.data_ptr<acc_t>(), cu ? cu->data_ptr<int64_t>() : nullptr,
-                            static_cast<acc_t>(scale), l2norm_eps.has_value(),
-                            static_cast<acc_t>(l2norm_eps.value_or(0))};
-}
-
 }  // namespace
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

@@ -1,11 +1,14 @@
 // Gated delta rule on the CPU, forward: one pass over the state per token, keeping a
 // checkpoint of the state every C tokens for the backward. Shared parts and the overview:
 // gated_delta_common.h.
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
+#include "gated_delta_kernels.h"
 
+RLX_ISA_BEGIN
 #include "gated_delta_common.h"
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // Forward, one pass over the state per token. The state block is kept lazily decayed,
@@ -35,7 +38,7 @@ template <int64_t NV, bool kRenorm, typename acc_t>
 inline void fused_rows_block(acc_t* __restrict S, int64_t K, int64_t ld,
                              const TokenCoeffs<acc_t>& cf, const acc_t* __restrict u,
                              acc_t* __restrict o, acc_t* __restrict w) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   vec uu[NV], out[NV], wn[NV];
   for (int64_t n = 0; n < NV; ++n) {
@@ -79,7 +82,7 @@ inline void fused_rows_column(acc_t* S, int64_t K, int64_t ld, const TokenCoeffs
 template <bool kRenorm, typename acc_t>
 inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>& cf,
                        const acc_t* u, acc_t* o, acc_t* w) {
-  constexpr int64_t L = 32 / sizeof(acc_t);
+  constexpr int64_t L = kVecLanes<acc_t>;
   int64_t j = 0;
   for (; j + 4 * L <= nv; j += 4 * L) {
     fused_rows_block<4, kRenorm>(S + j, K, nv, cf, u + j, o + j, w + j);
@@ -99,7 +102,7 @@ inline void fused_rows(acc_t* S, int64_t K, int64_t nv, const TokenCoeffs<acc_t>
 template <typename in_t, typename acc_t>
 inline void residual_row(const in_t* __restrict vt, const acc_t* __restrict w, acc_t b,
                          int64_t nv, acc_t* __restrict u, acc_t* __restrict vw, bool streamed) {
-  using vec = Vec256<acc_t>;
+  using vec = SimdVec<acc_t>;
   constexpr int64_t L = sizeof(vec) / sizeof(acc_t);
   int64_t j = 0;
   for (; j + L <= nv; j += L) {
@@ -154,7 +157,7 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
   }
   const int64_t nvb = (V + BV - 1) / BV;
   // vw rows are vector-aligned (BV is a multiple of 8) when V is a multiple of a vector.
-  const bool vw_streamed = V % (32 / int64_t(sizeof(acc_t))) == 0 &&
+  const bool vw_streamed = V % (int64_t(kVecLanes<acc_t>)) == 0 &&
                            reinterpret_cast<uintptr_t>(vw_out) % 32 == 0;
   // A task runs a group of a head's column blocks over chunks of TC tokens: the per-token
   // row factors (and the strided q/k rows they come from) are computed once per chunk and
@@ -366,11 +369,33 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
         store_state(&S[(vb - vb0) * K * BV], c.data(), v0, nv, ht + (n * HV + hv) * K * V);
       }
     }
-#if defined(__AVX__)
+#if RLX_ISA_AVX
     _mm_sfence();  // vw's streamed rows are visible before the parallel region ends
 #endif
   });
 }
+
+}  // namespace
+
+template <typename in_t, typename acc_t>
+void gdn_forward(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc_t* h0, in_t* o,
+                 acc_t* ht, acc_t* ckpt, acc_t* vw) {
+  forward_kernel<in_t, acc_t>(p, in, h0, o, ht, ckpt, vw);
+}
+
+#define RLX_INSTANTIATE_FORWARD(in_t, acc_t)                                                 \
+  template void gdn_forward<in_t, acc_t>(const GdnProblem&, const Views<in_t, acc_t>&,       \
+                                         const acc_t*, in_t*, acc_t*, acc_t*, acc_t*);
+RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_FORWARD)
+
+}  // namespace RLX_ISA_NS
+}  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The op: host code, compiled once.
+namespace rlx {
+namespace {
 
 // Slots no sequence uses (the slack of gdn_checkpoint_slots) are zeroed so that the output
 // is fully defined.
@@ -388,6 +413,8 @@ void zero_unused_slots(const GdnProblem& p, const int64_t* cu, at::Tensor& ckpt)
   }
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
     const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
     const at::Tensor& g_in, const at::Tensor& beta_in, double scale,
@@ -396,6 +423,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   const GdnProblem p = gdn_check_inputs("rlx::gated_delta_fwd", q_in, k_in, v_in, g_in, beta_in,
                                         initial_state, cu_seqlens, chunk_size);
   gdn_check_l2norm_eps("rlx::gated_delta_fwd", l2norm_eps);
+  if (p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16) {
+    // 16-bit q, k, v run the float32 kernel on float32 copies: the kernel widens every element
+    // it reads to float32 and rounds o once either way, so the results are the same, and the
+    // kernels are compiled for two input types instead of four (half the build time and
+    // code; the copies cost a pass over q, k, v and o next to the K x V work per token).
+    auto out = gated_delta_fwd_cpu(q_in.to(at::kFloat), k_in.to(at::kFloat), v_in.to(at::kFloat),
+                                   g_in, beta_in, scale, initial_state, cu_seqlens, chunk_size,
+                                   l2norm_eps);
+    std::get<0>(out) = std::get<0>(out).to(p.input_dtype);
+    return out;
+  }
   const at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   const at::Tensor g = g_in.contiguous(), beta = beta_in.contiguous();
   const auto h0 = contiguous_opt(initial_state);
@@ -412,24 +450,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   advise_huge_pages(ckpt);
   advise_huge_pages(vw);
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "gated_delta_fwd",
-                                  [&] {
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    forward_kernel<scalar_t, acc_t>(p,
-                                    make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale,
-                                                                l2norm_eps),
-                                    h0 ? h0->data_ptr<acc_t>() : nullptr,
-                                    o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
-                                    ckpt.data_ptr<acc_t>(),
-                                    vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_fwd", [&] {
+    using acc_t = acc_type_t<scalar_t>;
+    RLX_ISA_CALL(gdn_forward<scalar_t, acc_t>)(
+        p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
+        h0 ? h0->data_ptr<acc_t>() : nullptr, o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
+        ckpt.data_ptr<acc_t>(), vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);
   });
   gdn_write_checkpoint_tag(ckpt, gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p)));
   return {o, ht, ckpt, vw};
 }
 
-}  // namespace
 }  // namespace rlx
 
 TORCH_LIBRARY_IMPL(rlx, CPU, m) {
   m.impl("gated_delta_fwd", &rlx::gated_delta_fwd_cpu);
 }
+#endif

@@ -1,7 +1,7 @@
 // Transparent huge pages for large, freshly allocated CPU outputs.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <cstdint>
 

@@ -6,7 +6,10 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cpu_isa.h"
+
 namespace rlx {
+namespace RLX_ISA_NS {
 
 // sum_d a[d] * b[d] in 8 independent lanes (then summed in a fixed order): a single running
 // sum is one dependent add per element, ~4x slower for the K = 64 rows these ops see.
@@ -33,4 +36,5 @@ inline acc_t l2norm_rstd(const in_t* x, int64_t D, acc_t eps) {
   return acc_t(1) / std::sqrt(row_dot<acc_t>(x, x, D) + eps);
 }
 
+}  // namespace RLX_ISA_NS
 }  // namespace rlx

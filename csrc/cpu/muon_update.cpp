@@ -6,18 +6,13 @@
 //   muon_apply_:   decoupled weight decay and the update, p <- (1 - lr wd) p - lr s O, in one
 //                  pass that reads the bf16 (or float32) result of Newton–Schulz directly.
 // float32 params only (the Python caller keeps the op-by-op path for other dtypes).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "cpu_kernel_deps.h"
+#include "muon_kernels.h"
 
-#include <algorithm>
-#include <cmath>
-#include <cstring>
-#include <limits>
-#include <vector>
+RLX_ISA_BEGIN
 
 namespace rlx {
+namespace RLX_ISA_NS {
 namespace {
 
 // torch.lerp's arithmetic (ATen's lerp): start + w (end - start) for |w| < 0.5, else
@@ -40,39 +35,6 @@ inline uint16_t bf16_bits(float x) {
 inline void store_as(float* dst, float x) { *dst = x; }
 inline void store_as(at::BFloat16* dst, float x) {
   dst->x = bf16_bits(x);
-}
-
-// Maps matrix index -> (tensor, offset of the matrix in it), for lists of [count, rows, cols].
-struct MatrixIndex {
-  std::vector<int64_t> first;  // first matrix of each tensor, plus the total at the end
-  int64_t size;                // rows * cols
-
-  MatrixIndex(const at::TensorList& tensors, int64_t size) : size(size) {
-    first.push_back(0);
-    for (const at::Tensor& t : tensors) first.push_back(first.back() + t.numel() / size);
-  }
-  int64_t total() const { return first.back(); }
-  std::pair<int64_t, int64_t> locate(int64_t matrix) const {
-    const int64_t i =
-        std::upper_bound(first.begin(), first.end(), matrix) - first.begin() - 1;
-    return {i, (matrix - first[i]) * size};
-  }
-};
-
-void check_list(const char* op, const char* name, const at::TensorList& list,
-                const at::TensorList& like, int64_t size) {
-  TORCH_CHECK(list.size() == like.size(), op, ": ", name, " must hold ", like.size(),
-              " tensors, got ", list.size());
-  for (size_t i = 0; i < list.size(); ++i) {
-    const at::Tensor& t = list[i];
-    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), op,
-                ": ", name, "[", i, "] must be a contiguous float32 CPU tensor, got ",
-                t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (strided)");
-    TORCH_CHECK(t.sizes() == like[i].sizes(), op, ": ", name, "[", i, "] must have shape ",
-                like[i].sizes(), ", got ", t.sizes());
-    TORCH_CHECK(size > 0 && t.numel() % size == 0, op, ": ", name, "[", i, "] (", t.numel(),
-                " elements) is not a whole number of ", size, "-element matrices");
-  }
 }
 
 // One matrix of n values: pass 1 updates the buffer and sums the squares of the update in
@@ -115,10 +77,12 @@ void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, 
   }
 }
 
+}  // namespace
+
 template <typename out_t>
-void ns_input_kernel(const at::TensorList& grads, const at::TensorList& bufs,
-                     const MatrixIndex& index, float momentum, bool nesterov, double eps,
-                     double safety, out_t* out) {
+void muon_ns_input_rows(const MatrixIndex& index, const float* const* grads,
+                        float* const* bufs, float momentum, bool nesterov, double eps,
+                        double safety, out_t* out) {
   const float w = 1.0f - momentum;
   auto matrix = [&](const float* g, float* b, out_t* x) {
     const int64_t n = index.size;
@@ -138,10 +102,76 @@ void ns_input_kernel(const at::TensorList& grads, const at::TensorList& bufs,
   at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t mat = begin; mat < end; ++mat) {
       const auto [t, offset] = index.locate(mat);
-      matrix(grads[t].data_ptr<float>() + offset, bufs[t].data_ptr<float>() + offset,
-             out + mat * index.size);
+      matrix(grads[t] + offset, bufs[t] + offset, out + mat * index.size);
     }
   });
+}
+template void muon_ns_input_rows<float>(const MatrixIndex&, const float* const*,
+                                        float* const*, float, bool, double, double, float*);
+template void muon_ns_input_rows<at::BFloat16>(const MatrixIndex&, const float* const*,
+                                               float* const*, float, bool, double, double,
+                                               at::BFloat16*);
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) {
+  const uint32_t u = uint32_t(x.x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
+
+}  // namespace
+
+template <typename in_t>
+void muon_apply_rows(const MatrixIndex& index, float* const* params, const in_t* ortho,
+                     float decay, float step) {
+  at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t mat = begin; mat < end; ++mat) {
+      const auto [t, offset] = index.locate(mat);
+      float* p = params[t] + offset;
+      const in_t* o = ortho + mat * index.size;
+      for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
+    }
+  });
+}
+
+template void muon_apply_rows<float>(const MatrixIndex&, float* const*, const float*, float,
+                                     float);
+template void muon_apply_rows<at::BFloat16>(const MatrixIndex&, float* const*,
+                                            const at::BFloat16*, float, float);
+
+}  // namespace RLX_ISA_NS
+}  // namespace rlx
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The ops: host code, compiled once.
+namespace rlx {
+namespace {
+
+void check_list(const char* op, const char* name, const at::TensorList& list,
+                const at::TensorList& like, int64_t size) {
+  TORCH_CHECK(list.size() == like.size(), op, ": ", name, " must hold ", like.size(),
+              " tensors, got ", list.size());
+  for (size_t i = 0; i < list.size(); ++i) {
+    const at::Tensor& t = list[i];
+    TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), op,
+                ": ", name, "[", i, "] must be a contiguous float32 CPU tensor, got ",
+                t.scalar_type(), " on ", t.device(), t.is_contiguous() ? "" : " (strided)");
+    TORCH_CHECK(t.sizes() == like[i].sizes(), op, ": ", name, "[", i, "] must have shape ",
+                like[i].sizes(), ", got ", t.sizes());
+    TORCH_CHECK(size > 0 && t.numel() % size == 0, op, ": ", name, "[", i, "] (", t.numel(),
+                " elements) is not a whole number of ", size, "-element matrices");
+  }
+}
+
+template <typename T>
+std::vector<T*> data_ptrs(const at::TensorList& list) {
+  std::vector<T*> out;
+  for (const at::Tensor& t : list) out.push_back(t.data_ptr<float>());
+  return out;
 }
 
 at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t rows,
@@ -154,35 +184,18 @@ at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t 
               ": dtype must be float32 or bfloat16, got ", dtype);
   const MatrixIndex index(grads, rows * cols);
   at::Tensor out = at::empty({index.total(), rows, cols}, at::TensorOptions().dtype(dtype));
+  const std::vector<const float*> g = data_ptrs<const float>(grads);
+  const std::vector<float*> b = data_ptrs<float>(bufs);
   if (dtype == at::kFloat) {
-    ns_input_kernel(grads, bufs, index, static_cast<float>(momentum), nesterov, eps, safety,
-                    out.data_ptr<float>());
+    RLX_ISA_CALL(muon_ns_input_rows<float>)(index, g.data(), b.data(),
+                                            static_cast<float>(momentum), nesterov, eps, safety,
+                                            out.data_ptr<float>());
   } else {
-    ns_input_kernel(grads, bufs, index, static_cast<float>(momentum), nesterov, eps, safety,
-                    out.data_ptr<at::BFloat16>());
+    RLX_ISA_CALL(muon_ns_input_rows<at::BFloat16>)(index, g.data(), b.data(),
+                                                   static_cast<float>(momentum), nesterov, eps,
+                                                   safety, out.data_ptr<at::BFloat16>());
   }
   return out;
-}
-
-inline float to_float(float x) { return x; }
-inline float to_float(at::BFloat16 x) {
-  const uint32_t u = uint32_t(x.x) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
-
-template <typename in_t>
-void apply_kernel(const at::TensorList& params, const in_t* ortho, const MatrixIndex& index,
-                  float decay, float step) {
-  at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t mat = begin; mat < end; ++mat) {
-      const auto [t, offset] = index.locate(mat);
-      float* p = params[t].data_ptr<float>() + offset;
-      const in_t* o = ortho + mat * index.size;
-      for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
-    }
-  });
 }
 
 void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
@@ -199,10 +212,12 @@ void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
               " matrices but ortho has ", ortho.size(0));
   const float decay = static_cast<float>(1.0 - lr * weight_decay);
   const float step = static_cast<float>(lr * scale);
+  const std::vector<float*> p = data_ptrs<float>(params);
   if (ortho.scalar_type() == at::kFloat) {
-    apply_kernel(params, ortho.data_ptr<float>(), index, decay, step);
+    RLX_ISA_CALL(muon_apply_rows<float>)(index, p.data(), ortho.data_ptr<float>(), decay, step);
   } else {
-    apply_kernel(params, ortho.data_ptr<at::BFloat16>(), index, decay, step);
+    RLX_ISA_CALL(muon_apply_rows<at::BFloat16>)(index, p.data(), ortho.data_ptr<at::BFloat16>(),
+                                                decay, step);
   }
 }
 
@@ -213,3 +228,4 @@ TORCH_LIBRARY_IMPL(rlx, CPU, m) {
   m.impl("muon_ns_input", &rlx::muon_ns_input_cpu);
   m.impl("muon_apply_", &rlx::muon_apply_cpu);
 }
+#endif

@@ -8,16 +8,13 @@
 // the diagonal's lower half): 53% of a full product's work for m = 256.
 //
 // The fast path needs AVX512-BF16 (vdpbf16ps: pairs of bf16 products summed into float32
-// lanes), chosen at run time; the rest of the extension is built for AVX2, so only the
-// functions marked RLX_AVX512_BF16 use those instructions. Elsewhere the op computes the
+// lanes), chosen at run time (the extension's baseline is plain x86-64), so only the
+// functions marked RLX_AVX512_BF16, in namespace isa_avx512bf16, use those instructions. Elsewhere the op computes the
 // full product with at::baddbmm in float32 and mirrors its upper triangle, so results have
 // the same meaning on every CPU (float32 sums, one rounding to bf16);
 // `rlx::symmetric_matmul_is_native` tells callers whether it pays.
 // Accumulation is float32 (as in oneDNN's bf16 GEMM); each output is rounded to bf16 once.
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
-#include <torch/library.h>
+#include "torch_headers.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -59,6 +56,7 @@ bool cpu_has_avx512_bf16() {
 }
 
 #if RLX_HAVE_AVX512_BF16_PATH
+namespace isa_avx512bf16 {  // the functions with AVX512 code (tests/test_cpu_isa.py)
 inline uint32_t load_pair(const uint16_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof(v));
@@ -201,9 +199,11 @@ RLX_AVX512_BF16 void pack_columns(const uint16_t* src, int64_t ld, int64_t x0, i
     }
   }
 }
+}  // namespace isa_avx512bf16
 #endif
 
 #if RLX_HAVE_AVX512_BF16_PATH
+namespace isa_avx512bf16 {
 // Transposes the 8 x 8 block x (8 rows of 8 bf16) in place: x[j] becomes column j.
 RLX_AVX512_BF16 inline __attribute__((always_inline)) void transpose_8x8(__m128i (&x)[8]) {
   __m128i a[8], b[8];
@@ -276,6 +276,7 @@ RLX_AVX512_BF16 void epilogue(const float* acc, const uint16_t* c, uint16_t* out
     }
   }
 }
+}  // namespace isa_avx512bf16
 #endif
 
 // One column panel [j0, j0 + nr) of one matrix: the rows i < j0 + nr (all tiles that hold
@@ -292,6 +293,7 @@ void panel(const uint16_t* a, const uint16_t* b, const uint16_t* c, uint16_t* ou
            int64_t kdim, bool transposed, int64_t j0, float alpha, float beta, float diag,
            Scratch& s) {
 #if RLX_HAVE_AVX512_BF16_PATH
+  using namespace isa_avx512bf16;
   const int64_t nr = std::min(kCols, m - j0), i_end = j0 + nr;
   const int64_t a_width = (i_end + kCols - 1) / kCols * kCols;
   for (int64_t k0 = 0; k0 < kdim; k0 += kBlockK) {

@@ -276,7 +276,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
   // Distinct empty tensors for the outputs not computed (outputs must not alias).
   const auto skipped = [&] { return at::empty({0}, x.options()); };
   const at::ScalarType dtype = x.scalar_type();
-  const at::ScalarType acc_type = dtype == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc_type = acc_dtype(dtype);
   at::Tensor dx = skipped(), dC = skipped(), ds = skipped(), db = skipped();
   auto g2d = grad_out.reshape({d.rows, d.out_features}).contiguous();
   if (d.rows == 0 || d.out_features == 0 || d.groups == 0) {

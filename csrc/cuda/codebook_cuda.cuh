@@ -23,18 +23,10 @@
 
 #include <cstdint>
 
+#include "rlx/acc_type.h"
 #include "rlx/codebook.h"
 
 namespace rlx::codebook::cuda {
-
-template <typename T>
-struct AccType {
-  using type = float;
-};
-template <>
-struct AccType<double> {
-  using type = double;
-};
 
 constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;

@@ -2,7 +2,7 @@
 // so that each one raises the same ValueError, naming the argument, for the same bad input.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 #include <c10/util/Exception.h>
 
 #include <array>

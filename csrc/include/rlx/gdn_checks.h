@@ -2,7 +2,7 @@
 // that all of them reject bad input with the same messages (which name the argument).
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <algorithm>
 #include <cmath>
@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "rlx/acc_type.h"
 #include "rlx/gdn_backward_layout.h"
 
 namespace rlx {
@@ -28,9 +29,7 @@ struct GdnProblem {
   int64_t tokens() const { return batch * seq_len; }
 };
 
-inline at::ScalarType gdn_acc_dtype(at::ScalarType input) {
-  return input == at::kDouble ? at::kDouble : at::kFloat;
-}
+inline at::ScalarType gdn_acc_dtype(at::ScalarType input) { return acc_dtype(input); }
 
 // Checks shapes, dtypes, devices and cu_seqlens' values (reading them: one host copy when
 // they live on an accelerator). Returns the problem sizes.
