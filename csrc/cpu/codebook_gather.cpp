@@ -4,9 +4,9 @@
 #include "cpu_kernel_deps.h"
 #include "codebook_kernels.h"
 
-// The float16/bfloat16 codebook kernel carries its own target and is taken only where the CPU
-// has AVX2, FMA (and F16C for float16), so it exists in both ISA copies.
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The float16/bfloat16 codebook kernel lives in the AVX2 copy only (with F16C added to its
+// target, checked at run time for float16); the baseline copy converts the codebook instead.
+#if defined(__x86_64__) && RLX_ISA_AVX && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
 #define RLX_HALF_GATHER 1
 #endif
@@ -87,8 +87,7 @@ at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_
   const at::ScalarType ct = codebook.scalar_type();
   const bool bf16 = ct == at::kBFloat16;
   if (x_acc.scalar_type() != at::kFloat || (ct != at::kHalf && !bf16) || d.entry_dim != 8 ||
-      use_gather_dense(d) || !__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma") ||
-      (!bf16 && !__builtin_cpu_supports("f16c")))
+      use_gather_dense(d) || (!bf16 && !__builtin_cpu_supports("f16c")))
     return {};
   auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
   if (d.rows == 0 || d.out_features == 0) return raw;

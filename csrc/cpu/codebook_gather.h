@@ -261,7 +261,7 @@ template <typename acc_t, int D, int BT, bool WantDx, bool WantDc>
 void gather_backward_tile(const Dims& d, const acc_t* gsT, const acc_t* xt, const uint16_t* ct,
                           int64_t g0, int64_t g1, int64_t gb0, const acc_t* cb, acc_t* dxt,
                           int64_t width, acc_t* part, BadIndex& bad) {
-  using V = typename EntryVec<acc_t, D>::type;
+  using V = Vec<acc_t, D>;
   const int64_t N = d.out_features, K = d.in_features, M = d.num_codebooks, E = d.num_entries;
   for (int64_t g = g0; g < g1; ++g) {
     V xg[BT];
