@@ -7,6 +7,7 @@
 // The float16/bfloat16 codebook kernel lives in the AVX2 copy only (with F16C added to its
 // target, checked at run time for float16); the baseline copy converts the codebook instead.
 #if defined(__x86_64__) && RLX_ISA_AVX && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
 #include <immintrin.h>
 #define RLX_HALF_GATHER 1
 #endif
@@ -81,13 +82,24 @@ __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
 // raw for a float16/bfloat16 codebook read as it is (D = 8, float accumulation, the gather
 // path's batch sizes, a CPU with F16C for float16); otherwise an undefined tensor, and the
 // caller converts the codebook.
+#ifdef RLX_HALF_GATHER
+// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
+bool cpu_has_f16c() {
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+  }();
+  return has;
+}
+#endif
+
 at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_t* ip,
                            const at::Tensor& codebook) {
 #ifdef RLX_HALF_GATHER
   const at::ScalarType ct = codebook.scalar_type();
   const bool bf16 = ct == at::kBFloat16;
   if (x_acc.scalar_type() != at::kFloat || (ct != at::kHalf && !bf16) || d.entry_dim != 8 ||
-      use_gather_dense(d) || (!bf16 && !__builtin_cpu_supports("f16c")))
+      use_gather_dense(d) || (!bf16 && !cpu_has_f16c()))
     return {};
   auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
   if (d.rows == 0 || d.out_features == 0) return raw;
