@@ -13,6 +13,18 @@ import torch
 from tests.cuda_emu import build_emulator
 
 
+def float64_reference(x, idx, cb, scales, bias):
+    """x @ W.T (· scales, + bias) in float64, W = the sum of the M codebooks' entries (D = 8)."""
+    N, G, M = idx.shape
+    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
+    want = x.double() @ W.T
+    if scales is not None:
+        want = want * scales.double()
+    if bias is not None:
+        want = want + bias.double()
+    return want
+
+
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return build_emulator(tmp_path_factory.mktemp("cuda_emu"), "codebook_emu_main")
@@ -63,12 +75,7 @@ def test_emulated_mma_forward_matches_reference(case, emulator, tmp_path):
     got = got.view(dtype).view(B, N).double()
     # W exactly (the M entries' sum is never rounded to the input dtype): only float32
     # accumulation and the output's rounding separate the kernel from the float64 math
-    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
-    want = x.double() @ W.T
-    if has_s:
-        want = want * scales.double()
-    if has_b:
-        want = want + bias.double()
+    want = float64_reference(x, idx, cb, scales if has_s else None, bias if has_b else None)
     eps = torch.finfo(dtype).eps
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=eps, atol=eps * scale * 0.05, msg=case)
@@ -124,12 +131,7 @@ def test_emulated_lut_forward_matches_reference(case, lut_emulator, tmp_path):
     else:
         got = torch.from_file(str(tmp_path / "out.bin"), size=B * N, dtype=torch.int16).view(dtype)
     got = got.view(B, N).double()
-    W = sum(cb[m].double()[idx[:, :, m].long()] for m in range(M)).reshape(N, G * 8)
-    want = x.double() @ W.T
-    if has_s:
-        want = want * scales.double()
-    if has_b:
-        want = want + bias.double()
+    want = float64_reference(x, idx, cb, scales if has_s else None, bias if has_b else None)
     # float32 tables and sums: half outputs are within their own rounding; float32 within a
     # few ulps of the sum's magnitude per slice
     eps = torch.finfo(dtype).eps
