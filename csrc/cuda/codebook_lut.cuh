@@ -165,9 +165,18 @@ __global__ void __launch_bounds__(kLutThreads)
         for (int w = 0; w < 4; ++w) cw[4 * v + w] = q.w[w];
       }
     } else {
+      // Compile-time bounds with a run-time condition: a run-time-bounded loop would index cw
+      // dynamically and move it to local memory.
+      const int nbytes = gn * M;
 #pragma unroll
-      for (int w = 0; w < SB / 4; ++w) cw[w] = 0u;
-      for (int k = 0; k < gn * M; ++k) cw[k / 4] |= uint32_t(RLX_LDG(src + k)) << (8 * (k % 4));
+      for (int w = 0; w < SB / 4; ++w) {
+        uint32_t word = 0u;
+#pragma unroll
+        for (int t = 0; t < 4; ++t) {
+          if (4 * w + t < nbytes) word |= uint32_t(RLX_LDG(src + 4 * w + t)) << (8 * t);
+        }
+        cw[w] = word;
+      }
     }
     // two chains (even and odd groups) for the adds' latency, joined in a fixed order
     float acc[2][BT];
@@ -196,7 +205,10 @@ __global__ void __launch_bounds__(kLutThreads)
     } else {
       add_groups(std::true_type{});
     }
-    for (int b = 0; b < nb; ++b) partial[(slice * nb + b) * N + j] = acc[0][b] + acc[1][b];
+#pragma unroll
+    for (int b = 0; b < BT; ++b) {
+      if (b < nb) partial[(slice * nb + b) * N + j] = acc[0][b] + acc[1][b];
+    }
   }
 }
 
