@@ -76,8 +76,9 @@ def source_files(root: str, system: str, mps_built: bool) -> tuple[list[str], bo
     def rel(pattern):
         return sorted(os.path.relpath(p, root) for p in glob.glob(os.path.join(root, pattern)))
 
-    # csrc/cpu/avx2/: the kernels' AVX2 copies (empty translation units off x86-64)
+    # csrc/cpu/avx2/, avx512/: the kernels' AVX2 and AVX-512 copies (empty off x86-64)
     srcs = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") + rel("csrc/cpu/avx2/*.cpp")
+    srcs += rel("csrc/cpu/avx512/*.cpp")
     use_mps = system == "darwin" and mps_built
     if use_mps:
         srcs += rel("csrc/mps/*.mm")

@@ -15,6 +15,7 @@ forward+backward counted as 3x the forward, the usual convention.
 """
 
 import argparse
+import inspect
 import platform
 import sys
 from pathlib import Path
@@ -39,7 +40,10 @@ def load_hf():
               "    .venv/bin/pip install transformers\n"
               "Timing rlx_torch alone.", file=sys.stderr)
         return None
-    return torch_chunk_gated_delta_rule
+    # transformers >= 5.x wraps it (use_kernel_func_from_hub_with_fallback) so that it runs
+    # fla's Triton kernel where fla imports, which fails on CPU tensors: the plain-PyTorch
+    # function is the wrapper's __wrapped__.
+    return inspect.unwrap(torch_chunk_gated_delta_rule)
 
 
 def make_inputs(B, T, H, K, V, requires_grad):

@@ -1,14 +1,18 @@
 """CPU features at run time (csrc/cpu/cpu_isa.h): the extension's baseline is plain x86-64 (or
-arm64), and the CPU kernels' AVX2+FMA copies are picked once per process.
+arm64), and the CPU kernels' AVX2+FMA copies (AVX-512 ones for the codebook forward) are
+picked once per process.
 
-* rlx::_cpu_isa reports the copy, RLX_CPU_ISA=baseline forces the baseline one;
-* the baseline copy gives the AVX2 copy's results (the copies differ only in vector width and
-  FMA contraction, so float32 results agree to rounding and float64 ones more tightly) for
-  every CPU kernel, run in a child process against the results of this one;
-* in the built library, every function with AVX instructions belongs to an AVX2 copy
-  (namespace isa_avx2) or to symmetric_matmul's AVX512 path (isa_avx512bf16): no inline
-  function of torch or the standard library, nothing run before the dispatch, was compiled
-  for AVX2 (objdump).
+* rlx::_cpu_isa reports the copy, RLX_CPU_ISA=baseline or =avx2 caps it;
+* each lower copy gives the default copy's results (the copies differ only in vector width,
+  FMA contraction and the order of independent sums, so float32 results agree to rounding
+  and float64 ones more tightly) for every CPU kernel, run in a child process against the
+  results of another; on an AVX-512 CPU this compares the AVX-512 copy with the AVX2 and the
+  baseline ones, on an AVX2 CPU the AVX2 copy with the baseline one;
+* in the built library, every function with AVX instructions belongs to an AVX2 or AVX-512
+  copy (namespaces isa_avx2, isa_avx512) or to symmetric_matmul's AVX512 path
+  (isa_avx512bf16): no inline function of torch or the standard library, nothing run before
+  the dispatch, was compiled for AVX2 (objdump), and 512-bit registers appear only in
+  isa_avx512 and isa_avx512bf16 functions.
 """
 
 import importlib
@@ -45,20 +49,42 @@ def _run_child(code: str, env_extra: dict[str, str]) -> subprocess.CompletedProc
                           timeout=900)
 
 
+AVX512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
+
+
+def _best_isa() -> str:
+    """The copy this CPU should get by default (Linux: from /proc/cpuinfo)."""
+    if not X86:
+        return "baseline"  # no AVX2 copy off x86-64
+    flags = _cpu_flags()
+    if not {"avx2", "fma"} <= flags:
+        return "baseline"
+    return "avx512" if AVX512 <= flags else "avx2"
+
+
+# The copies below the default one (each a value of RLX_CPU_ISA), best first.
+ORDER = ("avx512", "avx2", "baseline")
+
+
+def _lower_isas() -> list[str]:
+    return list(ORDER[ORDER.index(_best_isa()) + 1:])
+
+
 def test_cpu_isa_reports_and_forces_the_copy():
     isa = torch.ops.rlx._cpu_isa()
-    assert isa in ("avx2", "baseline")
-    if os.environ.get("RLX_CPU_ISA") == "baseline":
-        assert isa == "baseline"
-    elif sys.platform.startswith("linux") and X86:
-        flags = _cpu_flags()
-        assert isa == ("avx2" if {"avx2", "fma"} <= flags else "baseline")
-    elif not X86:
-        assert isa == "baseline"  # no AVX2 copy off x86-64
-    child = _run_child("import torch, rlx_torch; print(torch.ops.rlx._cpu_isa())",
-                       {"RLX_CPU_ISA": "baseline"})
-    assert child.returncode == 0, child.stderr
-    assert child.stdout.strip() == "baseline"
+    assert isa in ORDER
+    forced = os.environ.get("RLX_CPU_ISA")
+    if forced in ORDER:
+        assert ORDER.index(isa) >= ORDER.index(forced)
+    elif sys.platform.startswith("linux") or not X86:
+        assert isa == _best_isa()
+    for cap in ("baseline", "avx2"):
+        child = _run_child("import torch, rlx_torch; print(torch.ops.rlx._cpu_isa())",
+                           {"RLX_CPU_ISA": cap})
+        assert child.returncode == 0, child.stderr
+        # a cap never raises the choice above what the CPU has
+        expected = cap if ORDER.index(cap) >= ORDER.index(_best_isa()) else _best_isa()
+        assert child.stdout.strip() == expected
 
 
 # Every CPU kernel of the extension on seeded inputs (odd sizes), in both dtypes that take
@@ -112,6 +138,16 @@ KERNELS = textwrap.dedent("""
                 grads = ops.codebook_matmul_backward(torch.randn_like(o), x, idx, cb, s,
                                                      [True, True, True, True])
                 out[f"codebook_{dt}_{rows}_{index_dtype}"] = (o, grads)
+        # the lookup-table forward's tile shapes (1, 8, 16, 32 rows a tile), full and short
+        # tables, output rows past the 16-row tiles, table blocks with a short last one
+        for rows in (1, 2, 16, 40):
+            for entries in (256, 100):
+                N, Kin, M, D = 53, 296, 2, 8
+                x = torch.randn(rows, Kin).to(dt)
+                idx = torch.randint(0, entries, (N, Kin // D, M), dtype=torch.uint8)
+                cb = torch.randn(M, entries, D).to(dt)
+                out[f"codebook_lut_{dt}_{rows}_{entries}"] = ops.codebook_matmul(
+                    x, idx, cb, torch.rand(N).to(dt), None)
     grads = [torch.randn(6, 10), torch.randn(6, 10)]
     bufs = [torch.randn(6, 10), torch.randn(6, 10)]
     x = ops.muon_ns_input(grads, bufs, 6, 10, 0.95, True, 1e-7, 1.0, torch.float32)
@@ -130,18 +166,24 @@ def _flatten(x):
     return []
 
 
-def test_baseline_copy_matches_the_default_one(tmp_path):
-    results = {}
-    for isa in ("default", "baseline"):
-        path = tmp_path / f"{isa}.pt"
-        env = {"RLX_CPU_ISA": "baseline"} if isa == "baseline" else {}
-        child = subprocess.run([sys.executable, "-c", KERNELS, str(path)],
-                               env=dict(os.environ, **env), capture_output=True, text=True,
-                               timeout=900)
-        assert child.returncode == 0, child.stderr
-        results[isa] = torch.load(path)
-    default, base = results["default"], results["baseline"]
-    assert base["isa"] == "baseline"
+def _kernel_results(tmp_path, isa: str | None) -> dict:
+    path = tmp_path / f"{isa or 'default'}.pt"
+    env = dict(os.environ)
+    env.pop("RLX_CPU_ISA", None)
+    if isa is not None:
+        env["RLX_CPU_ISA"] = isa
+    child = subprocess.run([sys.executable, "-c", KERNELS, str(path)], env=env,
+                           capture_output=True, text=True, timeout=900)
+    assert child.returncode == 0, child.stderr
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("lower", ["avx2", "baseline"])
+def test_lower_copy_matches_the_default_one(tmp_path, lower):
+    if lower not in _lower_isas():
+        pytest.skip(f"the default copy here is {_best_isa()}: no {lower} copy below it")
+    default, base = _kernel_results(tmp_path, None), _kernel_results(tmp_path, lower)
+    assert default["isa"] == _best_isa() and base["isa"] == lower
     assert default.keys() == base.keys() and len(default) > 40
     for key in default:
         if key == "isa":
@@ -167,13 +209,18 @@ def _library() -> str:
 # vzeroupper; a plain SSE instruction never names ymm or zmm.
 _FUNCTION = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 _VEX = re.compile(r"^\s*[0-9a-f]+:\s+(vzeroupper|v[a-z0-9]+\s.*%[xyz]mm|.*%[yz]mm)")
-_ALLOWED = ("isa_avx2::", "isa_avx512bf16::")
+_ZMM = re.compile(r"%zmm|%k[0-7]")
+_ALLOWED = ("isa_avx2::", "isa_avx512::", "isa_avx512bf16::")
+_ALLOWED_512 = ("isa_avx512::", "isa_avx512bf16::")
 
 
-def _functions_with_avx(lib: str) -> dict[str, int]:
+def _functions_with_avx(lib: str) -> tuple[dict[str, int], set[str]]:
+    """Functions with VEX/EVEX code (instruction counts), and those with 512-bit or mask
+    registers."""
     proc = subprocess.Popen(["objdump", "-d", "--no-show-raw-insn", "-C", lib],
                             stdout=subprocess.PIPE, text=True, errors="replace")
     found: dict[str, int] = {}
+    wide: set[str] = set()
     function = None
     for line in proc.stdout:
         m = _FUNCTION.match(line)
@@ -181,8 +228,10 @@ def _functions_with_avx(lib: str) -> dict[str, int]:
             function = m.group(1)
         elif function is not None and _VEX.match(line):
             found[function] = found.get(function, 0) + 1
+            if _ZMM.search(line):
+                wide.add(function)
     assert proc.wait() == 0
-    return found
+    return found, wide
 
 
 @pytest.mark.skipif(not (X86 and sys.platform.startswith("linux")),
@@ -190,9 +239,14 @@ def _functions_with_avx(lib: str) -> dict[str, int]:
 def test_only_the_avx2_copies_have_avx_code():
     if shutil.which("objdump") is None:
         pytest.fail("objdump (binutils) is needed: apt-get install binutils")
-    found = _functions_with_avx(_library())
-    # the test sees the copies' code at all: the AVX2 gated delta and codebook kernels
+    found, wide = _functions_with_avx(_library())
+    # the test sees the copies' code at all: the AVX2 gated delta and codebook kernels, and
+    # the AVX-512 codebook forward's permute lookups
     assert any("isa_avx2::gdn_" in f for f in found), sorted(found)[:20]
     assert any("isa_avx2::" in f and "codebook" in f for f in found), sorted(found)[:20]
+    if X86:
+        assert any("isa_avx512::" in f and "codebook" in f for f in wide), sorted(wide)[:20]
     outside = sorted(f for f in found if not any(a in f for a in _ALLOWED))
     assert not outside, f"AVX code outside the AVX2 copies: {outside[:20]}"
+    outside = sorted(f for f in wide if not any(a in f for a in _ALLOWED_512))
+    assert not outside, f"AVX-512 code outside the AVX-512 copies: {outside[:20]}"

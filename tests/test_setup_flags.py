@@ -47,9 +47,9 @@ def test_macos_sources_add_the_metal_host_code(rlx_setup):
     srcs, use_mps = rlx_setup.source_files(ROOT, "darwin", mps_built=True)
     mm = _files("csrc/mps/*.mm")
     assert use_mps and mm and set(mm) <= set(srcs)
-    avx2_copies = _files("csrc/cpu/avx2/*.cpp")
-    assert avx2_copies
-    assert set(srcs) == set(_files("csrc/*.cpp") + _files("csrc/cpu/*.cpp") + avx2_copies + mm)
+    isa_copies = _files("csrc/cpu/avx2/*.cpp") + _files("csrc/cpu/avx512/*.cpp")
+    assert isa_copies
+    assert set(srcs) == set(_files("csrc/*.cpp") + _files("csrc/cpu/*.cpp") + isa_copies + mm)
     assert "csrc/ops.cpp" in srcs
     # without MPS in torch, or off macOS, the host code is left out
     for system, built in (("darwin", False), ("linux", True)):

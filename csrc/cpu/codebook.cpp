@@ -32,7 +32,14 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
                       const acc_t* cbT, const scalar_t* scales, const scalar_t* bias,
                       out_t* out) {
   with_tile_shape(d.rows, [&](auto BT, auto JT) {
-    lut_forward<scalar_t, acc_t, out_t, BT, JT>(d, x, idx, cb, cbT, scales, bias, out);
+#if RLX_ISA_AVX512
+    // 32 vector registers: enough output rows at a time for 8 independent add chains of
+    // 512-bit table rows (the gather is bound by the adds' latency, not by the loads).
+    constexpr int kJT = std::max<int>(JT, 8 * kTileLanes<acc_t, BT> / BT);
+#else
+    constexpr int kJT = JT;
+#endif
+    lut_forward<scalar_t, acc_t, out_t, BT, kJT>(d, x, idx, cb, cbT, scales, bias, out);
   });
 }
 
@@ -47,6 +54,8 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
 RLX_INSTANTIATE_LUT_FORWARD(float, float, float)
 RLX_INSTANTIATE_LUT_FORWARD(double, double, double)
 
+#if !defined(RLX_ISA_AVX512_COPY)  // (the AVX-512 copy has the lookup-table forward only)
+
 #define RLX_INSTANTIATE_DENSE(acc_t, index_t)                                                 \
   template void dequantize_rows<acc_t, index_t>(const Dims&, const index_t*, const acc_t*,  \
                                                 int64_t, int64_t, acc_t*);                  \
@@ -56,11 +65,12 @@ RLX_INSTANTIATE_DENSE(float, uint8_t)
 RLX_INSTANTIATE_DENSE(double, uint8_t)
 RLX_INSTANTIATE_DENSE(float, uint16_t)
 RLX_INSTANTIATE_DENSE(double, uint16_t)
+#endif
 
 }  // namespace rlx::codebook::cpu::RLX_ISA_NS
 RLX_ISA_END
 
-#if !defined(RLX_ISA_AVX2_COPY)
+#if !defined(RLX_ISA_AVX2_COPY) && !defined(RLX_ISA_AVX512_COPY)
 // The op: host code, compiled once.
 namespace rlx::codebook::cpu {
 namespace {
@@ -96,7 +106,7 @@ at::Tensor forward_u8(const at::Tensor& x, const at::Tensor& indices, const at::
       out.view({d.rows, d.out_features}).copy_(raw);
       return;
     }
-    RLX_ISA_CALL(lut_forward_rows<scalar_t, acc_t, scalar_t>)(
+    RLX_ISA_CALL_AVX512(lut_forward_rows<scalar_t, acc_t, scalar_t>)(
         d, x2d.data_ptr<scalar_t>(), idx.data_ptr<uint8_t>(), C.data(), C.dataT(), sp, bp,
         out.data_ptr<scalar_t>());
   });

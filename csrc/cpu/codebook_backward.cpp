@@ -280,7 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_u8(
         raw = dense_raw<acc_t>(d, x2d.to(acc_type), ip, C.data());
       } else {
         raw = at::empty({d.rows, d.out_features}, at::dtype(acc_type));
-        RLX_ISA_CALL(lut_forward_rows<scalar_t, acc_t, acc_t>)(
+        RLX_ISA_CALL_AVX512(lut_forward_rows<scalar_t, acc_t, acc_t>)(
             d, x2d.data_ptr<scalar_t>(), ip, C.data(), C.dataT(), nullptr, nullptr,
             raw.data_ptr<acc_t>());
       }

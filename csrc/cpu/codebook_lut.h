@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "codebook_kernels.h"
+#include "codebook_permute_lookup.h"
 #include "vec.h"
 
 namespace rlx::codebook::cpu::RLX_ISA_NS {
@@ -61,6 +62,24 @@ using LineVector = std::vector<T, LineAllocator<T>>;
 
 inline constexpr int64_t kPrefetchRows = 32;  // index rows fetched ahead by the gathers
 
+// Lanes of the vectors that hold a row of a BT-row table: 64 bytes in the AVX-512 copy where
+// the row is a whole number of them (BT = 16, 32 floats), else the copy's SimdVec width.
+template <typename acc_t, int BT>
+inline constexpr int kTileLanes =
+    RLX_ISA_AVX512 && (BT * sizeof(acc_t)) % 64 == 0 ? 64 / sizeof(acc_t) : kVecLanes<acc_t>;
+template <typename acc_t, int BT>
+using TileVec = Vec<acc_t, kTileLanes<acc_t, BT>>;
+template <typename V, typename T>
+inline V load_tile_vec(const T* p) {
+  V x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+template <typename V, typename T>
+inline void store_tile_vec(T* p, const V& x) {
+  std::memcpy(p, &x, sizeof(x));
+}
+
 
 // xT[c][b] = x[b0 + b, c0 + c] for b < nb, zero padding up to BT (one tile of batch rows).
 template <typename scalar_t, typename acc_t, int BT>
@@ -90,8 +109,8 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
         }
       } else {
-        using V = SimdVec<acc_t>;
-        constexpr int W = kVecLanes<acc_t>, NV = BT / W;
+        using V = TileVec<acc_t, BT>;
+        constexpr int W = kTileLanes<acc_t, BT>, NV = BT / W;
         static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
         // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
         constexpr int CB = NV >= 8 ? 1 : 8 / NV;
@@ -103,7 +122,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t* xr = xT + (g * D + t) * BT;
             V xv[NV];
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) xv[v] = load_vec(xr + v * W);
+            for (int v = 0; v < NV; ++v) xv[v] = load_tile_vec<V>(xr + v * W);
             RLX_UNROLL
             for (int q = 0; q < CB; ++q) {
               const acc_t w = entry[q * D + t];
@@ -114,7 +133,7 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
           RLX_UNROLL
           for (int q = 0; q < CB; ++q)
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) store_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
+            for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
         }
         for (; c < E; ++c) {
           const acc_t* entry = cb + (m * E + c) * D;
@@ -123,10 +142,10 @@ void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* 
             const acc_t w = entry[t];
             const acc_t* xr = xT + (g * D + t) * BT;
             RLX_UNROLL
-            for (int v = 0; v < NV; ++v) a[v] += w * load_vec(xr + v * W);
+            for (int v = 0; v < NV; ++v) a[v] += w * load_tile_vec<V>(xr + v * W);
           }
           RLX_UNROLL
-          for (int v = 0; v < NV; ++v) store_vec(Lgm + c * BT + v * W, a[v]);
+          for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + c * BT + v * W, a[v]);
         }
       }
     }
@@ -193,8 +212,8 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       acc[j - j0] = a;
     }
   } else {
-    using V = SimdVec<acc_t>;
-    constexpr int W = kVecLanes<acc_t>, NV = BT / W;
+    using V = TileVec<acc_t, BT>;
+    constexpr int W = kTileLanes<acc_t, BT>, NV = BT / W;
     int64_t j = j0;
     for (; j + JT <= j1; j += JT) {
       V a[JT][NV];
@@ -202,7 +221,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[q][v] = load_vec(acc + (j + q - j0) * BT + v * W);
+        for (int v = 0; v < NV; ++v) a[q][v] = load_tile_vec<V>(acc + (j + q - j0) * BT + v * W);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
@@ -212,26 +231,26 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
         for (int q = 0; q < JT; ++q) {
           const acc_t* r = Lgm + ip[q][gm] * BT;
           RLX_UNROLL
-          for (int v = 0; v < NV; ++v) a[q][v] += load_vec(r + v * W);
+          for (int v = 0; v < NV; ++v) a[q][v] += load_tile_vec<V>(r + v * W);
         }
       }
       RLX_UNROLL
       for (int q = 0; q < JT; ++q)
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) store_vec(acc + (j + q - j0) * BT + v * W, a[q][v]);
+        for (int v = 0; v < NV; ++v) store_tile_vec(acc + (j + q - j0) * BT + v * W, a[q][v]);
     }
     for (; j < j1; ++j) {
       V a[NV];
       RLX_UNROLL
-      for (int v = 0; v < NV; ++v) a[v] = load_vec(acc + (j - j0) * BT + v * W);
+      for (int v = 0; v < NV; ++v) a[v] = load_tile_vec<V>(acc + (j - j0) * BT + v * W);
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* r = L + (gm * E + ip[gm]) * BT;
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[v] += load_vec(r + v * W);
+        for (int v = 0; v < NV; ++v) a[v] += load_tile_vec<V>(r + v * W);
       }
       RLX_UNROLL
-      for (int v = 0; v < NV; ++v) store_vec(acc + (j - j0) * BT + v * W, a[v]);
+      for (int v = 0; v < NV; ++v) store_tile_vec(acc + (j - j0) * BT + v * W, a[v]);
     }
   }
 }
@@ -292,7 +311,14 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
         const int64_t ng = std::min(gpb, g_end - g0);
         load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
         build_table<acc_t, BT>(d, cb, cbT, xT.data(), ng, L.data());
-        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
+#if RLX_ISA_AVX512
+        if constexpr (BT == 1 && std::is_same_v<acc_t, float>) {
+          gather_one_row_permute(d, idx, L.data(), g0, ng, 0, N, acc);
+        } else
+#endif
+        {
+          gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
+        }
       }
       if (chunks == 1) {
         write_out(acc, b0, nb, 0, N);

@@ -1,5 +1,5 @@
 // The run-time choice of the CPU kernels' copy (cpu_isa.h) and rlx::_cpu_isa, which reports
-// it (tests check that RLX_CPU_ISA=baseline gives the baseline copy the AVX2 one's results).
+// it (tests check that RLX_CPU_ISA=baseline and =avx2 give the default copy's results).
 #include <torch/library.h>
 
 #include <cstdlib>
@@ -11,14 +11,30 @@
 namespace rlx {
 namespace {
 
+CpuIsa supported_cpu_isa() {
+#if RLX_ISA_HAVE_AVX2_COPY
+  // (__builtin_cpu_supports also checks that the OS saves the AVX and AVX-512 registers.)
+  __builtin_cpu_init();
+  if (!__builtin_cpu_supports("avx2") || !__builtin_cpu_supports("fma")) return CpuIsa::kBaseline;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
+    return CpuIsa::kAvx512;
+  }
+  return CpuIsa::kAvx2;
+#else
+  return CpuIsa::kBaseline;
+#endif
+}
+
+// RLX_CPU_ISA caps the choice (a copy the CPU lacks is never chosen).
 CpuIsa choose_cpu_isa() {
+  const CpuIsa best = supported_cpu_isa();
   const char* force = std::getenv("RLX_CPU_ISA");
   if (force != nullptr && std::strcmp(force, "baseline") == 0) return CpuIsa::kBaseline;
-#if RLX_ISA_HAVE_AVX2_COPY
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return CpuIsa::kAvx2;
-#endif
-  return CpuIsa::kBaseline;
+  if (force != nullptr && std::strcmp(force, "avx2") == 0 && best > CpuIsa::kAvx2) {
+    return CpuIsa::kAvx2;
+  }
+  return best;
 }
 
 std::string cpu_isa_op() { return cpu_isa_name(cpu_isa()); }
@@ -30,7 +46,13 @@ CpuIsa cpu_isa() {
   return isa;
 }
 
-const char* cpu_isa_name(CpuIsa isa) { return isa == CpuIsa::kAvx2 ? "avx2" : "baseline"; }
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx2: return "avx2";
+    default: return "baseline";
+  }
+}
 
 }  // namespace rlx
 

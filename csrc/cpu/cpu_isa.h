@@ -1,6 +1,9 @@
 // CPU features chosen at run time. The extension's baseline is plain x86-64 (plain arm64), so
 // a wheel runs on any CPU of its architecture; the kernels are compiled once more for
-// AVX2+FMA, and each op's entry picks a copy once per process (cpu_isa()).
+// AVX2+FMA, and each op's entry picks a copy once per process (cpu_isa()). The codebook
+// forward (codebook.cpp) has a third copy, for AVX-512 (csrc/cpu/avx512/, RLX_ISA_AVX512_COPY,
+// namespace isa_avx512): only the files whose kernels use 512-bit vectors get one, and an
+// AVX-512 CPU runs the AVX2 copy of every other file.
 //
 // How a kernel file is compiled twice: csrc/cpu/foo.cpp is the baseline copy, and
 // csrc/cpu/avx2/foo.cpp defines RLX_ISA_AVX2_COPY and includes it. foo.cpp
@@ -29,9 +32,24 @@
 #define RLX_ISA_HAVE_AVX2_COPY 0
 #endif
 
-#if defined(RLX_ISA_AVX2_COPY)
+#if defined(RLX_ISA_AVX512_COPY)
+#define RLX_ISA_NS isa_avx512
+#define RLX_ISA_AVX 1
+#define RLX_ISA_AVX512 1
+#if defined(__clang__)
+#define RLX_ISA_BEGIN                                                                     \
+  _Pragma(                                                                                \
+      "clang attribute push(__attribute__((target(\"avx2,fma,avx512f,avx512bw,avx512vl,avx512dq\"))), apply_to = function)")
+#define RLX_ISA_END _Pragma("clang attribute pop")
+#else
+#define RLX_ISA_BEGIN \
+  _Pragma("GCC push_options") _Pragma("GCC target(\"avx2,fma,avx512f,avx512bw,avx512vl,avx512dq\")")
+#define RLX_ISA_END _Pragma("GCC pop_options")
+#endif
+#elif defined(RLX_ISA_AVX2_COPY)
 #define RLX_ISA_NS isa_avx2
 #define RLX_ISA_AVX 1
+#define RLX_ISA_AVX512 0
 #if defined(__clang__)
 #define RLX_ISA_BEGIN \
   _Pragma("clang attribute push(__attribute__((target(\"avx2,fma\"))), apply_to = function)")
@@ -42,6 +60,7 @@
 #endif
 #else
 #define RLX_ISA_NS isa_base
+#define RLX_ISA_AVX512 0  // (512-bit code only in the AVX-512 copies, even under -march=native)
 #if defined(__AVX__)  // a build for a newer baseline (CXXFLAGS=-march=...)
 #define RLX_ISA_AVX 1
 #else
@@ -53,10 +72,12 @@
 
 namespace rlx {
 
-enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1 };
+enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 
-// The kernels' copy for this process: AVX2+FMA where the CPU has both, else the baseline;
-// RLX_CPU_ISA=baseline forces the baseline (tests compare the copies). Chosen on first use.
+// The kernels' copy for this process: AVX-512 (F, BW, VL, DQ) where the CPU has it, else
+// AVX2+FMA where it has both, else the baseline; RLX_CPU_ISA=baseline or avx2 caps the choice
+// (tests compare the copies). Chosen on first use. Files without an AVX-512 copy run their
+// AVX2 one on kAvx512 (RLX_ISA_CALL).
 CpuIsa cpu_isa();
 const char* cpu_isa_name(CpuIsa isa);
 
@@ -69,7 +90,9 @@ const char* cpu_isa_name(CpuIsa isa);
 // copies' namespaces, isa_base and isa_avx2, of the enclosing namespace (a header outside the
 // region does this for an op's entry points, so that both copies define what the host calls);
 // RLX_ISA_CALL(fn) is the address of fn (a function, or a function template's specialization,
-// of the enclosing namespace's copies) in the copy cpu_isa() picks.
+// of the enclosing namespace's copies) in the copy cpu_isa() picks, among isa_base and
+// isa_avx2; RLX_ISA_CALL_AVX512(fn) also picks isa_avx512, for an fn that the file's AVX-512
+// copy defines (its declaration there comes from RLX_ISA_DECLARE too).
 #if RLX_ISA_HAVE_AVX2_COPY
 #define RLX_ISA_DECLARE(...)   \
   namespace isa_base {         \
@@ -77,13 +100,21 @@ const char* cpu_isa_name(CpuIsa isa);
   }                            \
   namespace isa_avx2 {         \
   __VA_ARGS__                  \
+  }                            \
+  namespace isa_avx512 {       \
+  __VA_ARGS__                  \
   }
-#define RLX_ISA_CALL(...) \
-  (::rlx::cpu_isa() == ::rlx::CpuIsa::kAvx2 ? &isa_avx2::__VA_ARGS__ : &isa_base::__VA_ARGS__)
+#define RLX_ISA_CALL(...)                                                   \
+  (::rlx::cpu_isa() >= ::rlx::CpuIsa::kAvx2 ? &isa_avx2::__VA_ARGS__ \
+                                            : &isa_base::__VA_ARGS__)
+#define RLX_ISA_CALL_AVX512(...)                                           \
+  (::rlx::cpu_isa() == ::rlx::CpuIsa::kAvx512 ? &isa_avx512::__VA_ARGS__ \
+                                              : RLX_ISA_CALL(__VA_ARGS__))
 #else
 #define RLX_ISA_DECLARE(...) \
   namespace isa_base {       \
   __VA_ARGS__                \
   }
 #define RLX_ISA_CALL(...) (&isa_base::__VA_ARGS__)
+#define RLX_ISA_CALL_AVX512(...) (&isa_base::__VA_ARGS__)
 #endif

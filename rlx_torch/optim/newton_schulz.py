@@ -275,10 +275,10 @@ def _iterate(X, schedule, tall, products, method):
     for a, b, c in schedule.coefficients:
         A = products.gram(X, tall)
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
-        if products.native:
-            # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm first copies X into its
-            # result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
-            # code choices").
+        if products.native or X.device.type == "cpu":
+            # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm on CPU first copies X into
+            # its result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
+            # code choices"; with oneDNN's bf16 bmm on AMX too).
             P = products.sym(A, A, A, alpha=c, beta=b, diag=a)  # a·I + b·A + c·A²
             X = torch.bmm(X, P) if tall else torch.bmm(P, X)
         else:
