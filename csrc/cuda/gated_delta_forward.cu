@@ -253,35 +253,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
     chunked_forward<Bits16::kHalf, at::Half>(p, cu, scale, q, k, v, g, beta, h0, o, ht, ckpt,
                                              vw, stream);
   } else {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "gated_delta_fwd", [&] {
-    using v_t = scalar_t;
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    auto run = [&](auto qk_tag) {
-      using qk_t = decltype(qk_tag);
-      FwdArgs<qk_t, v_t, acc_t> A;
-      A.d = make_dims<acc_t>(p, cu.device_ptr(), scale);
-      A.q = q.data_ptr<qk_t>();
-      A.k = k.data_ptr<qk_t>();
-      A.v = v.data_ptr<v_t>();
-      A.g = g.data_ptr<acc_t>();
-      A.beta = beta.data_ptr<acc_t>();
-      A.h0 = data_or_null<acc_t>(h0);
-      A.out = o.data_ptr<v_t>();
-      A.ht = ht.data_ptr<acc_t>();
-      A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<acc_t>() : nullptr;
-      A.vw = vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr;
-      if (p.gate_per_channel) {
-        launch_forward<qk_t, v_t, acc_t, true>(A, p.num_seqs, stream);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "gated_delta_fwd", [&] {
+      using v_t = scalar_t;
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      auto run = [&](auto qk_tag) {
+        using qk_t = decltype(qk_tag);
+        FwdArgs<qk_t, v_t, acc_t> A;
+        A.d = make_dims<acc_t>(p, cu.device_ptr(), scale);
+        A.q = q.data_ptr<qk_t>();
+        A.k = k.data_ptr<qk_t>();
+        A.v = v.data_ptr<v_t>();
+        A.g = g.data_ptr<acc_t>();
+        A.beta = beta.data_ptr<acc_t>();
+        A.h0 = data_or_null<acc_t>(h0);
+        A.out = o.data_ptr<v_t>();
+        A.ht = ht.data_ptr<acc_t>();
+        A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<acc_t>() : nullptr;
+        A.vw = vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr;
+        if (p.gate_per_channel) {
+          launch_forward<qk_t, v_t, acc_t, true>(A, p.num_seqs, stream);
+        } else {
+          launch_forward<qk_t, v_t, acc_t, false>(A, p.num_seqs, stream);
+        }
+      };
+      if (q.scalar_type() == p.acc_dtype) {
+        run(acc_t{});
       } else {
-        launch_forward<qk_t, v_t, acc_t, false>(A, p.num_seqs, stream);
+        run(scalar_t{});
       }
-    };
-    if (q.scalar_type() == p.acc_dtype) {
-      run(acc_t{});
-    } else {
-      run(scalar_t{});
-    }
-  });
+    });
   }
   if (ckpt.numel() > 0) {  // the tag: first 4 bytes of the last slot (gdn_checks.h)
     const uint32_t tag = gdn_checkpoint_tag(p.chunk, l2norm_eps, keeps_vw);
