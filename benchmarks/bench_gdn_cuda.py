@@ -6,6 +6,7 @@ taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K
 and head forward, 3x that forward+backward.
 """
 
+import itertools
 import json
 import os
 import statistics
@@ -46,17 +47,17 @@ def ours(q, k, v, g, beta):
     return rlx_torch.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0]
 
 
-def token(q, k, v, g, beta):
-    """rlx_torch on the token recurrence (RLX_CUDA_GATED_DELTA_TOKEN=1) for the per-head gate."""
-    os.environ["RLX_CUDA_GATED_DELTA_TOKEN"] = "1"
+def chunked(q, k, v, g, beta):
+    """rlx_torch with the chunked tensor-core forward (RLX_CUDA_GATED_DELTA_CHUNKED=1)."""
+    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "1"
     try:
         return ours(q, k, v, g, beta)
     finally:
-        del os.environ["RLX_CUDA_GATED_DELTA_TOKEN"]
+        del os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"]
 
 
-def kernel_profile(B, T, H, K, V, per_channel, backward):
-    """CUDA time per kernel (microseconds per call, torch.profiler) of one rlx_torch call."""
+def kernel_profile(fn, B, T, H, K, V, per_channel, backward):
+    """CUDA time per kernel (microseconds per call, torch.profiler) of one call of fn."""
     from torch.profiler import ProfilerActivity, profile
 
     inputs = make_inputs(B, T, H, K, V, per_channel, backward)
@@ -64,7 +65,7 @@ def kernel_profile(B, T, H, K, V, per_channel, backward):
 
     def once():
         with torch.set_grad_enabled(backward):
-            out = ours(*inputs)
+            out = fn(*inputs)
             if backward:
                 out.backward(grad_out)
 
@@ -130,30 +131,31 @@ def main_cuda(args):
             for mode, backward in (("fwd", False), ("fwd+bwd", True)):
                 inputs = make_inputs(B, T, H, K, V, gate == "channel", backward)
                 fns = [ours] + ([theirs(fla[gate])] if fla else []) + (
-                    [token] if gate == "head" else [])
+                    [chunked] if gate == "head" else [])
                 with torch.set_grad_enabled(backward):
                     t = time_cuda(fns, inputs, backward, warmup=3, repeats=max(args.repeats, 5))
                 t_ours, t_fla = (t + [None])[:2]
-                t_token = t[-1] if gate == "head" else None
+                t_chunked = t[-1] if gate == "head" else None
                 flops = 7 * K * V * B * T * H * (3 if backward else 1)
                 row = dict(gate=gate, mode=mode, B=B, T=T, H=H, K=K, V=V,
                            rlx_ms=round(t_ours, 3), fla_ms=round(t_fla, 3) if t_fla else None,
                            ratio=round(t_ours / t_fla, 2) if t_fla else None,
-                           token_ms=round(t_token, 3) if t_token else None,
+                           chunked_ms=round(t_chunked, 3) if t_chunked else None,
                            rlx_tflops=round(flops / t_ours / 1e9, 2),
                            fla_tflops=round(flops / t_fla / 1e9, 2) if t_fla else None)
                 results.append(row)
                 fla_text = (f"fla {t_fla:8.3f} ms ({row['fla_tflops']:.2f} TFLOP/s)  "
                             f"rlx/fla {row['ratio']:.2f}x" if t_fla else "fla n/a")
-                token_text = f"  token path {t_token:8.3f} ms" if t_token else ""
+                token_text = f"  rlx chunked {t_chunked:8.3f} ms" if t_chunked else ""
                 print(f"{gate:7s} {mode:8s} B={B} T={T} H={H} K={K} V={V}  rlx {t_ours:8.3f} ms "
                       f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}{token_text}", flush=True)
                 del inputs
     profiles = {}
-    for mode, backward in (("fwd", False), ("fwd+bwd", True)):
-        rows = kernel_profile(*SHAPES[0], False, backward)
-        profiles[mode] = rows
-        print(f"per-kernel CUDA time, head gate, {mode}, shape {SHAPES[0]} (us per call):")
+    for (name, fn), (mode, backward) in itertools.product(
+            (("token", ours), ("chunked", chunked)), (("fwd", False), ("fwd+bwd", True))):
+        rows = kernel_profile(fn, *SHAPES[0], False, backward)
+        profiles[f"{name} {mode}"] = rows
+        print(f"per-kernel CUDA time, {name}, head gate, {mode}, shape {SHAPES[0]} (us per call):")
         for us, name in rows:
             print(f"  {us:10.1f}  {name}")
     print(json.dumps({"bench": "gated_delta_rule_cuda", "profile": profiles, "device": name,

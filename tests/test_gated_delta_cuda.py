@@ -187,26 +187,27 @@ CHUNKED_CASES = {  # per-head gate, 16-bit inputs: the chunked tensor-core forwa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CHUNKED_CASES)
 def test_chunked_forward_matches_token_recurrence(case, dtype, monkeypatch):
-    """The chunked forward (16-bit products, float32 state) against the token recurrence
-    (float32 throughout) on the same inputs, with its checkpoints feeding the backward."""
+    """The chunked forward (16-bit products, float32 state; RLX_CUDA_GATED_DELTA_CHUNKED=1)
+    against the token recurrence (float32 throughout) on the same inputs, with its checkpoints
+    feeding the backward."""
     l2, kw = _split(CHUNKED_CASES[case])
     chunk_size = kw.pop("chunk_size", 64)
     inputs = to(make_inputs(dtype=dtype, **kw), CUDA)
     cot = cotangents(inputs)
-    chunked = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
-    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_TOKEN", "1")
     token = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+    chunked = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
     compare(chunked, token, 1e-2 if dtype == torch.bfloat16 else 2e-3, f"{case}, {dtype}")
-    monkeypatch.delenv("RLX_CUDA_GATED_DELTA_TOKEN")
     if kw.get("T", 0) <= 300:
         ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
                                l2)
         compare(chunked, ref, TOL[dtype], f"{case}, {dtype} vs float64 reference")
 
 
-def test_chunked_forward_extreme_decay_long_sequence():
+def test_chunked_forward_extreme_decay_long_sequence(monkeypatch):
     """g = -30 per token (and 0 on every 7th), T = 65,536, bf16: exponents of cumulative gates
     inside a chunk would overflow; differences of them do not."""
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     inputs = make_inputs(B=1, T=65536, H=1, HV=1, K=64, V=64, state=True, dtype=torch.bfloat16)
     inputs["g"] = torch.full_like(inputs["g"], -30.0)
     inputs["g"][:, ::7] = 0.0
@@ -475,8 +476,11 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008,
            "dinitial_state": 0.008, "dbeta": 0.02, "dg": 0.02}
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_matches_fla(per_channel):
+@pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
+                                                     (True, False)])
+def test_matches_fla(per_channel, chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     chunk_gdn, chunk_kda = _fla()
     if per_channel and chunk_kda is None:
         pytest.skip("this fla has no KDA kernel")

@@ -103,7 +103,7 @@ def _rel_rms(got, want):
 
 CHUNK_CASES = {
     "T65_state": dict(B=2, T=65, H=2, HV=2, K=8, V=8, state=True),
-    "T130_two_tiles": dict(B=1, T=130, H=1, HV=1, K=40, V=41),
+    "T130_ragged_k_v": dict(B=1, T=130, H=1, HV=1, K=42, V=41),
     "gva_varlen": dict(B=1, T=150, H=1, HV=2, K=16, V=24, state=True, cu=[0, 64, 64, 150]),
     "K128_narrow": dict(B=1, T=70, H=1, HV=1, K=72, V=20, state=True, chunk=128, narrow=True),
     "strong_decay": dict(B=1, T=100, H=1, HV=1, K=8, V=8, state=True, g_scale=30.0),

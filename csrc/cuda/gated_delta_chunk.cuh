@@ -15,8 +15,10 @@
 // positive, so any g (down to -30 per step and below) only underflows to 0.
 //
 // Shared-memory tiles are 16-bit, row-major with rows padded by 8 elements (conflict-free
-// fragment reads). An mma's A operand is read from a [m][k] tile, its B operand from a [n][k]
-// tile (B transposed): every product below stores its right factor transposed for that.
+// fragment reads). An mma's A operand is read from a [m][k] tile (or a [k][m] one: frag_a_t),
+// its B operand from a [n][k] tile (B transposed): the right factors are stored transposed.
+// The intermediates (W', U', u, the chunk states) live in global buffers padded to KP and VP
+// columns (multiples of 64), so that their rows move as 16-byte vectors.
 //
 // Also compiled on the CPU by tests/cuda_emu (RLX_CUDA_EMULATION).
 #pragma once
@@ -46,24 +48,24 @@ struct ChunkEntry {
   int64_t t0, len, n, slot;
 };
 
-// What the chunk kernels read and write ([tokens, HV, X] unless said).
-template <typename qk_t, typename v_t>
+// What the chunk kernels read and write ([tokens, HV, X] unless said); 16-bit values are
+// bit patterns of the input dtype.
 struct ChunkArgs {
   Dims<float> d;
-  int KP = 0;                    // K padded to a multiple of 16
+  int KP = 0, VP = 0;            // K and V padded to multiples of 64
   const ChunkEntry* chunks = nullptr;
   int64_t num_chunks = 0;
-  const qk_t *q = nullptr, *k = nullptr;  // [tokens, H, K]
-  const v_t* v = nullptr;
+  const uint16_t *q = nullptr, *k = nullptr;  // [tokens, H, K]
+  const uint16_t* v = nullptr;
   const float *g = nullptr, *beta = nullptr, *h0 = nullptr;
   float* G = nullptr;            // [tokens, HV] chunk-local cumulative gate
-  uint16_t* W = nullptr;         // [tokens, HV, K] W'
-  uint16_t* U = nullptr;         // [tokens, HV, V] U'
-  uint16_t* u = nullptr;         // [tokens, HV, V] beta vw
-  uint16_t* hT = nullptr;        // [slots64, HV, V, K] state before each chunk, transposed
-  float* vw = nullptr;           // optional
+  uint16_t* W = nullptr;         // [tokens, HV, KP] W'
+  uint16_t* U = nullptr;         // [tokens, HV, VP] U'
+  uint16_t* u = nullptr;         // [tokens, HV, VP] beta vw
+  uint16_t* hT = nullptr;        // [slots64, HV, VP, KP] state before each chunk, transposed
+  float* vw = nullptr;           // optional, [tokens, HV, V]
   float *ht = nullptr, *ckpt = nullptr;
-  v_t* out = nullptr;
+  uint16_t* out = nullptr;       // [tokens, HV, V]
 };
 
 __device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
@@ -82,6 +84,15 @@ __device__ __forceinline__ void frag_a(uint32_t (&a)[4], const uint16_t* t, int 
   a[2] = word_at(t + (m0 + g) * ld + k0 + c + 8);
   a[3] = word_at(t + (m0 + g + 8) * ld + k0 + c + 8);
 }
+// A fragment of rows m0.., k0.. of A = X^T, X a [k][m] tile.
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const uint16_t* t, int ld, int m0,
+                                         int k0, int lane) {
+  const int g = m0 + lane / 4, c = k0 + 2 * (lane % 4);
+  a[0] = pack2(t[c * ld + g], t[(c + 1) * ld + g]);
+  a[1] = pack2(t[c * ld + g + 8], t[(c + 1) * ld + g + 8]);
+  a[2] = pack2(t[(c + 8) * ld + g], t[(c + 9) * ld + g]);
+  a[3] = pack2(t[(c + 8) * ld + g + 8], t[(c + 9) * ld + g + 8]);
+}
 __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* t, int ld, int n0,
                                        int k0, int lane) {
   const int g = lane / 4, c = 2 * (lane % 4);
@@ -89,65 +100,113 @@ __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* t, int 
   b[1] = word_at(t + (n0 + g) * ld + k0 + c + 8);
 }
 
-template <typename src_t>
-__device__ __forceinline__ float load_float(const src_t* p) {
-  return static_cast<float>(*p);
-}
-
 // dst (16-bit tile, leading dim ld) <- src rows [0, rows) x cols [0, cols) (row r, column c
-// at src[r * stride + c]), times scale(r); zero outside rows_ok x cols_ok. Transposed: element
-// (r, c) goes to dst[c * ld + r]. uint16_t sources are copied as bits (scale unused).
+// at src[r * stride + c]), times scale(r) when given; zero outside rows_ok x cols_ok.
+// Transposed: element (r, c) goes to dst[c * ld + r]. Rows move as 16-byte vectors where
+// src allows (cols_ok and stride multiples of 8, src 16-byte aligned), several loads in flight
+// per thread before their stores.
 struct NoScale {
   __device__ __forceinline__ float operator()(int) const { return 1.f; }
 };
-template <Bits16 kind, bool kTranspose, typename src_t, typename Scale = NoScale>
-__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const src_t* src,
+template <Bits16 kind, bool kTranspose, typename Scale = NoScale>
+__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const uint16_t* src,
                                           int64_t stride, int rows, int cols, int rows_ok,
                                           int cols_ok, Scale scale = Scale()) {
-  for (int idx = threadIdx.x; idx < rows * cols; idx += blockDim.x) {
-    const int r = idx / cols, c = idx % cols;
-    uint16_t bits = 0;
-    if (r < rows_ok && c < cols_ok) {
-      if constexpr (std::is_same_v<src_t, uint16_t>) {
-        bits = src[r * stride + c];
-      } else {
-        bits = float_to_bits<kind>(load_float(src + r * stride + c) * scale(r));
+  constexpr bool kScaled = !std::is_same_v<Scale, NoScale>;
+  constexpr int kBatch = 4;
+  const bool vec = cols_ok % 8 == 0 && stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0 && cols % 8 == 0;
+  if (vec) {
+    const int c8 = cols / 8, n = rows * c8;
+    for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
+      uint32_t buf[kBatch][4];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int idx = base + b * blockDim.x, r = idx / c8, c = 8 * (idx % c8);
+        if (idx < n && r < rows_ok && c < cols_ok) {
+          const rlx::codebook::cuda::Bytes16 x = rlx::codebook::cuda::load16(src + r * stride + c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) buf[b][e] = x.w[e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) buf[b][e] = 0;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int idx = base + b * blockDim.x, r = idx / c8, c = 8 * (idx % c8);
+        if (idx >= n) continue;
+        if constexpr (kScaled) {
+          const float f = r < rows_ok ? scale(r) : 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint16_t lo = float_to_bits<kind>(bits_to_float<kind>(uint16_t(buf[b][e])) * f);
+            const uint16_t hi = float_to_bits<kind>(bits_to_float<kind>(uint16_t(buf[b][e] >> 16)) * f);
+            buf[b][e] = pack2(lo, hi);
+          }
+        }
+        if constexpr (kTranspose) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dst[(c + e) * ld + r] = uint16_t(buf[b][e / 2] >> (16 * (e % 2)));
+        } else {
+          uint32_t* to = reinterpret_cast<uint32_t*>(dst + r * ld + c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) to[e] = buf[b][e];
+        }
       }
     }
-    dst[kTranspose ? c * ld + r : r * ld + c] = bits;
+    return;
+  }
+  const int n = rows * cols;
+  for (int base = threadIdx.x; base < n; base += 8 * blockDim.x) {
+    uint16_t buf[8];
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const int idx = base + b * blockDim.x, r = idx / cols, c = idx % cols;
+      buf[b] = idx < n && r < rows_ok && c < cols_ok ? src[r * stride + c] : uint16_t(0);
+    }
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const int idx = base + b * blockDim.x, r = idx / cols, c = idx % cols;
+      if (idx >= n) continue;
+      uint16_t bits = buf[b];
+      if constexpr (kScaled) {
+        bits = r < rows_ok ? float_to_bits<kind>(bits_to_float<kind>(bits) * scale(r)) : uint16_t(0);
+      }
+      dst[kTranspose ? c * ld + r : r * ld + c] = bits;
+    }
   }
 }
 
 // ---- prep: G, W' and U' of one chunk and value head ---------------------------------------
-template <Bits16 kind, typename qk_t, typename v_t>
-__global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs<qk_t, v_t> A) {
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) {
   const Dims<float>& d = A.d;
-  const int KP = A.KP, VP = (d.V + 15) / 16 * 16, lane = threadIdx.x % kWarp;
-  const int w = threadIdx.x / kWarp;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
   const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
   const int len = int(e.len);
   float* sG = dynamic_smem<float>();
   float* sBeta = sG + kChunk;
-  float* sM = sBeta + kChunk;              // [64][65] M, then T' (float32)
-  uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8]
+  float* sM = sBeta + kChunk;  // [64][65] M (float32)
   const int ldK = KP + kPad, ldC = kChunk + kPad;
-  uint16_t* sKgT = sK + kChunk * ldK;      // [KP][72]
-  uint16_t* sVT = sKgT + KP * ldC;         // [VP][72]
-  uint16_t* sT = sVT + VP * ldC;           // [64][72] T'
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8]
+  uint16_t* sKgT = sK + kChunk * ldK;  // [KP][72] (K o e^G)^T
+  uint16_t* sVT = sKgT + KP * ldC;     // [VP][72] V^T
+  uint16_t* sT = sVT + VP * ldC;       // [64][72] T'
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = i < len ? A.g[(e.t0 + i) * d.HV + hv] : 0.f;
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
+  if (threadIdx.x == 0) {  // the chunk's cumulative gate (64 adds: not worth a scan)
     float acc = 0.f;
     for (int i = 0; i < kChunk; ++i) sG[i] = acc += sG[i];
   }
   __syncthreads();
   for (int i = threadIdx.x; i < len; i += blockDim.x) A.G[(e.t0 + i) * d.HV + hv] = sG[i];
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
-  const qk_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
+  const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
   load_tile<kind, false>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
   load_tile<kind, true>(sKgT, ldC, k, qk_stride, kChunk, KP, len, d.K,
                         [sG](int r) { return exp(sG[r]); });
@@ -185,16 +244,20 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs<qk_
     float x[kChunk];
 #pragma unroll
     for (int i = 0; i < kChunk; ++i) {
-      float s = i == c ? 1.f : 0.f;
+      float s0 = i == c ? 1.f : 0.f, s1 = 0.f;  // two partial sums: half the dependent chain
 #pragma unroll
-      for (int j = 0; j < i; ++j) s -= sM[i * (kChunk + 1) + j] * x[j];
-      x[i] = s;
+      for (int j = 0; j + 1 < i; j += 2) {
+        s0 -= sM[i * (kChunk + 1) + j] * x[j];
+        s1 -= sM[i * (kChunk + 1) + j + 1] * x[j + 1];
+      }
+      if (i % 2 == 1) s0 -= sM[i * (kChunk + 1) + i - 1] * x[i - 1];
+      x[i] = s0 + s1;
     }
     for (int i = 0; i < kChunk; ++i) sT[i * ldC + c] = float_to_bits<kind>(x[i]);
   }
   __syncthreads();
-  // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time
-  auto product = [&](const uint16_t* rhsT, int cols, int cols_ok, uint16_t* dst, int64_t stride) {
+  // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time, pads included
+  auto product = [&](const uint16_t* rhsT, int cols, uint16_t* dst, int64_t stride) {
     for (int n0 = 0; n0 < cols; n0 += 64) {
       float acc[8][4] = {};
 #pragma unroll
@@ -204,7 +267,6 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs<qk_
         frag_a(a, sT, ldC, 16 * w, k0, lane);
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          if (n0 + 8 * nt >= cols) continue;
           uint32_t b[2];
           frag_b(b, rhsT, ldC, n0 + 8 * nt, k0, lane);
           mma_16816<kind>(acc[nt], a, b);
@@ -213,16 +275,18 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs<qk_
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 16 * w + lane / 4 + 8 * (r / 2);
-          const int c = n0 + 8 * nt + 2 * (lane % 4) + (r % 2);
-          if (i < len && c < cols_ok) dst[(e.t0 + i) * stride + c] = float_to_bits<kind>(acc[nt][r]);
+        for (int r2 = 0; r2 < 2; ++r2) {
+          const int i = 16 * w + lane / 4 + 8 * r2, c = n0 + 8 * nt + 2 * (lane % 4);
+          if (i < len) {
+            *reinterpret_cast<uint32_t*>(dst + (e.t0 + i) * stride + c) =
+                pack2(float_to_bits<kind>(acc[nt][2 * r2]), float_to_bits<kind>(acc[nt][2 * r2 + 1]));
+          }
         }
       }
     }
   };
-  product(sKgT, KP, d.K, A.W + int64_t(hv) * d.K, int64_t(d.HV) * d.K);
-  product(sVT, VP, d.V, A.U + int64_t(hv) * d.V, v_stride);
+  product(sKgT, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
+  product(sVT, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
 }
 
 __host__ __device__ inline size_t prep_smem(int KP, int VP) {
@@ -231,156 +295,12 @@ __host__ __device__ inline size_t prep_smem(int KP, int VP) {
                                                                  (kChunk + kPad));
 }
 
-// ---- state: the recurrence over the chunks of one sequence, value head, BV-column tile --
-// S [KP][BV] float32 in mma accumulators: warp w owns rows 16 (MT w + mt) .. + 15.
-template <int MT, int NT>
-struct StateTile {
-  float s[MT][NT][4];
-  __device__ __forceinline__ static int row(int w, int mt, int r, int lane) {
-    return 16 * (MT * w + mt) + lane / 4 + 8 * (r / 2);
-  }
-  __device__ __forceinline__ static int col(int nt, int r, int lane) {
-    return 8 * nt + 2 * (lane % 4) + (r % 2);
-  }
-};
-
-template <Bits16 kind, typename qk_t, typename v_t, int MT, int NT>
-__global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs<qk_t, v_t> A) {
-  using Tile = StateTile<MT, NT>;
-  constexpr int BV = 8 * NT;
-  const Dims<float>& d = A.d;
-  const int KP = 64 * MT, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
-  const int nvt = int(ceil_div(d.V, BV));
-  const int vt = int(blockIdx.x % nvt), hv = int(blockIdx.x / nvt % d.HV), h = hv / d.group;
-  const int64_t n = blockIdx.x / nvt / d.HV;
-  const int64_t bos = d.cu != nullptr ? d.cu[n] : n * d.seq_len;
-  const int64_t eos = d.cu != nullptr ? d.cu[n + 1] : bos + d.seq_len;
-  const int ldK = KP + kPad, ldC = kChunk + kPad, v0 = vt * BV;
-  float* sG = dynamic_smem<float>();
-  float* sBeta = sG + kChunk;
-  uint16_t* sST = reinterpret_cast<uint16_t*>(sBeta + kChunk);  // [BV][KP+8] S^T
-  uint16_t* sW = sST + BV * ldK;                                 // [64][KP+8] W'
-  uint16_t* sKdT = sW + kChunk * ldK;                            // [KP][72]
-  uint16_t* sUT = sKdT + KP * ldC;                               // [BV][72] u^T
-  const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
-  const int64_t v_stride = int64_t(d.HV) * d.V, w_stride = int64_t(d.HV) * d.K;
-  Tile S;
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = Tile::row(w, mt, r, lane), col = v0 + Tile::col(nt, r, lane);
-        S.s[mt][nt][r] = A.h0 != nullptr && row < d.K && col < d.V
-                             ? A.h0[(n * d.HV + hv) * KV + int64_t(row) * d.V + col]
-                             : 0.f;
-      }
-  const int64_t base64 = checkpoint_base(n, bos, kChunk);
-  const int64_t base = checkpoint_base(n, bos, d.chunk);
-  for (int64_t t0 = bos, j = 0; t0 < eos; t0 += kChunk, ++j) {
-    const int len = int(min(int64_t(kChunk), eos - t0));
-    __syncthreads();  // the previous chunk's readers are done
-    const bool ckpt = A.ckpt != nullptr && (t0 - bos) % d.chunk == 0;
-    const int64_t slot = base + (t0 - bos) / (d.chunk > 0 ? d.chunk : 1);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int row = Tile::row(w, mt, r, lane), cl = Tile::col(nt, r, lane), col = v0 + cl;
-          const uint16_t bits = float_to_bits<kind>(S.s[mt][nt][r]);
-          sST[cl * ldK + row] = bits;
-          if (row < d.K && col < d.V) {
-            A.hT[((base64 + j) * d.HV + hv) * KV + int64_t(col) * d.K + row] = bits;
-            if (ckpt) A.ckpt[(slot * d.HV + hv) * KV + int64_t(row) * d.V + col] = S.s[mt][nt][r];
-          }
-        }
-    for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-      sG[i] = i < len ? A.G[(t0 + i) * d.HV + hv] : 0.f;
-      sBeta[i] = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
-    }
-    load_tile<kind, false>(sW, ldK, A.W + t0 * w_stride + int64_t(hv) * d.K, w_stride, kChunk,
-                           KP, len, d.K);
-    __syncthreads();
-    const float g_last = sG[len - 1];
-    load_tile<kind, true>(sKdT, ldC, A.k + t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                          KP, len, d.K, [sG, g_last](int r) { return exp(g_last - sG[r]); });
-    // vw = U' - W' S0: warp w rows 16w .. 16w + 15
-    {
-      float acc[NT][4] = {};
-      for (int k0 = 0; k0 < KP; k0 += 16) {
-        uint32_t a[4];
-        frag_a(a, sW, ldK, 16 * w, k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, sST, ldK, 8 * nt, k0, lane);
-          mma_16816<kind>(acc[nt], a, b);
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = 16 * w + lane / 4 + 8 * (r / 2), cl = Tile::col(nt, r, lane);
-          const int col = v0 + cl;
-          uint16_t bits = 0;
-          if (i < len && col < d.V) {
-            const int64_t at = (t0 + i) * v_stride + int64_t(hv) * d.V + col;
-            const float x = bits_to_float<kind>(A.U[at]) - acc[nt][r];
-            if (A.vw != nullptr) A.vw[at] = x;
-            bits = float_to_bits<kind>(sBeta[i] * x);
-            A.u[at] = bits;
-          }
-          sUT[cl * ldC + i] = bits;
-        }
-    }
-    __syncthreads();
-    // S = e^(G_last) S + (K o e^(G_last - G))^T u
-    const float decay = exp(g_last);
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
-#pragma unroll
-      for (int k0 = 0; k0 < kChunk; k0 += 16) {
-        uint32_t a[4];
-        frag_a(a, sKdT, ldC, 16 * (MT * w + mt), k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, sUT, ldC, 8 * nt, k0, lane);
-          mma_16816<kind>(S.s[mt][nt], a, b);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int row = Tile::row(w, mt, r, lane), col = v0 + Tile::col(nt, r, lane);
-        if (row < d.K && col < d.V) A.ht[(n * d.HV + hv) * KV + int64_t(row) * d.V + col] = S.s[mt][nt][r];
-      }
-}
-
-__host__ __device__ inline size_t state_smem(int KP, int BV) {
-  return sizeof(float) * 2 * kChunk +
-         sizeof(uint16_t) * (size_t(BV + kChunk) * (KP + kPad) + size_t(KP + BV) * (kChunk + kPad));
-}
-
 // ---- output: o of one chunk, value head and 64-column tile ---------------------------------
-template <Bits16 kind, typename qk_t, typename v_t>
-__global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs<qk_t, v_t> A) {
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A) {
   const Dims<float>& d = A.d;
-  const int KP = A.KP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
-  const int nvt = int(ceil_div(d.V, kOutCols));
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int nvt = VP / kOutCols;
   const int vt = int(blockIdx.x % nvt), hv = int(blockIdx.x / nvt % d.HV), h = hv / d.group;
   const ChunkEntry e = A.chunks[blockIdx.x / nvt / d.HV];
   const int len = int(e.len), v0 = vt * kOutCols;
@@ -390,8 +310,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs<q
   uint16_t* sK = sQ + kChunk * ldK;                          // [64][KP+8]
   uint16_t* sST = sK + kChunk * ldK;                         // [64][KP+8] S0^T
   uint16_t* sUT = sST + kOutCols * ldK;                      // [64][72] u^T
-  const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
-  const int64_t v_stride = int64_t(d.HV) * d.V;
+  const int64_t qk_stride = int64_t(d.H) * d.K, pv_stride = int64_t(d.HV) * VP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
   }
@@ -399,10 +318,10 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs<q
                          KP, len, d.K);
   load_tile<kind, false>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
                          KP, len, d.K);
-  load_tile<kind, false>(sST, ldK, A.hT + (e.slot * d.HV + hv) * KV + int64_t(v0) * d.K,
-                         int64_t(d.K), kOutCols, KP, d.V - v0, d.K);
-  load_tile<kind, true>(sUT, ldC, A.u + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                        kChunk, kOutCols, len, d.V - v0);
+  load_tile<kind, false>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
+                         kOutCols, KP, kOutCols, KP);
+  load_tile<kind, true>(sUT, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                        kChunk, kOutCols, len, kOutCols);
   __syncthreads();
   const int g4 = lane / 4, t2 = 2 * (lane % 4);
   // P = [j <= i] (Q K^T) o e^(G_i - G_j), rows 16w .. 16w + 15
@@ -451,18 +370,19 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs<q
       mma_16816<kind>(Y[nt], a, b);
     }
   }
+  const int64_t v_stride = int64_t(d.HV) * d.V;
 #pragma unroll
   for (int r2 = 0; r2 < 2; ++r2) {
     const int i = 16 * w + g4 + 8 * r2;
     if (i >= len) continue;
     const float eg = exp(sG[i]);
-    v_t* out = A.out + (e.t0 + i) * v_stride + int64_t(hv) * d.V;
+    uint16_t* out = A.out + (e.t0 + i) * v_stride + int64_t(hv) * d.V;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
         const int col = v0 + 8 * nt + t2 + c, r = 2 * r2 + c;
-        if (col < d.V) out[col] = static_cast<v_t>(d.scale * (eg * Y[nt][r] + O[nt][r]));
+        if (col < d.V) out[col] = float_to_bits<kind>(d.scale * (eg * Y[nt][r] + O[nt][r]));
       }
   }
 }

@@ -8,6 +8,7 @@
 
 #define RLX_CUDA_EMULATION 1
 #include "gated_delta_chunk.cuh"
+#include "gated_delta_chunk_state.cuh"
 
 #include <cstdio>
 #include <cstdlib>
@@ -33,10 +34,16 @@ static void write(const std::string& path, const std::vector<float>& x) {
 }
 
 template <int MT, int NT>
-static void run_state(const ChunkArgs<float, float>& A, int64_t N) {
-  const int64_t blocks = N * A.d.HV * ceil_div(A.d.V, 8 * NT);
+static void run_state(const ChunkArgs& A, int64_t N) {
+  const int64_t blocks = N * A.d.HV * (A.VP / (8 * NT));
   emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT),
-              [&] { state_kernel<Bits16::kBFloat16, float, float, MT, NT>(A); });
+              [&] { state_kernel<Bits16::kBFloat16, MT, NT>(A); });
+}
+
+static std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = emu::float_to_bf16(x[i]);
+  return y;
 }
 
 int main(int argc, char** argv) {
@@ -78,29 +85,35 @@ int main(int argc, char** argv) {
   const bool keeps_vw = rlx::gdn_keeps_vw(d.chunk, false);
   std::vector<float> o(vv, NAN), ht(sn, NAN), ckpt(size_t(slots * HV * K * V), 0.f);
   std::vector<float> vw(keeps_vw ? vv : 0, NAN), G(size_t(tokens * HV), NAN);
-  std::vector<uint16_t> W(size_t(tokens * HV * K), 0x7fc0), U(vv, 0x7fc0), u(vv, 0x7fc0);
-  std::vector<uint16_t> hT(size_t(slots64 * HV * V * K), 0x7fc0);  // bf16 NaN: never read
-  ChunkArgs<float, float> A;
+  const int64_t KP = ceil_div(K, 64) * 64, VP = ceil_div(V, 64) * 64;
+  // intermediates start as bf16 NaN: a read of what no kernel wrote shows in the results
+  std::vector<uint16_t> W(size_t(tokens * HV * KP), 0x7fc0), U(size_t(tokens * HV * VP), 0x7fc0);
+  std::vector<uint16_t> u(size_t(tokens * HV * VP), 0x7fc0), ob(vv, 0x7fc0);
+  std::vector<uint16_t> hT(size_t(slots64 * HV * VP * KP), 0x7fc0);
+  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v);
+  ChunkArgs A;
   A.d = d;
-  A.KP = int(ceil_div(K, 64) * 64);
+  A.KP = int(KP);
+  A.VP = int(VP);
   A.chunks = chunks.data();
   A.num_chunks = int64_t(chunks.size());
-  A.q = q.data(), A.k = k.data(), A.v = v.data(), A.g = g.data(), A.beta = beta.data();
+  A.q = qb.data(), A.k = kb.data(), A.v = vb.data(), A.g = g.data(), A.beta = beta.data();
   A.h0 = has_h0 ? h0.data() : nullptr;
   A.G = G.data(), A.W = W.data(), A.U = U.data(), A.u = u.data(), A.hT = hT.data();
   A.vw = keeps_vw ? vw.data() : nullptr;
-  A.ht = ht.data(), A.ckpt = slots > 0 ? ckpt.data() : nullptr, A.out = o.data();
+  A.ht = ht.data(), A.ckpt = slots > 0 ? ckpt.data() : nullptr, A.out = ob.data();
   const unsigned nch = unsigned(chunks.size());
-  emu::launch(nch * unsigned(HV), kChunkThreads, prep_smem(A.KP, int(ceil_div(V, 16) * 16)),
-              [&] { prep_kernel<Bits16::kBFloat16, float, float>(A); });
+  emu::launch(nch * unsigned(HV), kChunkThreads, prep_smem(A.KP, A.VP),
+              [&] { prep_kernel<Bits16::kBFloat16>(A); });
   const bool narrow = std::getenv("RLX_EMU_NARROW") != nullptr;  // 16-column state tiles
   switch (A.KP / 64) {
     case 1: narrow ? run_state<1, 2>(A, N) : run_state<1, 4>(A, N); break;
     case 2: narrow ? run_state<2, 2>(A, N) : run_state<2, 4>(A, N); break;
     default: std::fprintf(stderr, "K > 128 is not emulated\n"); return 2;
   }
-  emu::launch(nch * unsigned(HV * ceil_div(V, kOutCols)), kChunkThreads, output_smem(A.KP),
-              [&] { output_kernel<Bits16::kBFloat16, float, float>(A); });
+  emu::launch(nch * unsigned(HV * (VP / kOutCols)), kChunkThreads, output_smem(A.KP),
+              [&] { output_kernel<Bits16::kBFloat16>(A); });
+  for (size_t i = 0; i < vv; ++i) o[i] = emu::bf16_to_float(ob[i]);
   write(dir + "/o.bin", o);
   write(dir + "/ht.bin", ht);
   write(dir + "/ckpt.bin", ckpt);
