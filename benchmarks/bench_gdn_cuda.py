@@ -3,7 +3,9 @@ rlx_torch.gated_delta_rule against fla's Triton kernels in one process, bf16 q/k
 g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_rule``) and
 per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
 taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
-and head forward, 3x that forward+backward.
+and head forward, 3x that forward+backward. For the per-head gate the chunked tensor-core
+forward (RLX_CUDA_GATED_DELTA_CHUNKED=1) is timed in the same turns; at the end, torch.profiler
+gives the CUDA time per kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
 """
 
 import itertools

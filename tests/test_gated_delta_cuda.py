@@ -321,8 +321,11 @@ def test_noncontiguous_empty_and_cpu_cu_seqlens():
             forward_backward(rlx_torch.gated_delta_rule, on_gpu, cot), 0, "cu on cpu")
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_deterministic_bitwise(per_channel):
+@pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
+                                                     (True, False)])
+def test_deterministic_bitwise(per_channel, chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     inputs = to(make_inputs(B=2, T=300, H=2, HV=4, K=64, V=96, per_channel=per_channel,
                             state=True, dtype=torch.bfloat16), CUDA)
     cot = cotangents(inputs)
