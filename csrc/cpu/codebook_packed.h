@@ -6,7 +6,7 @@
 // for a given weight (inference, PV-tuning), so they can be reordered once:
 //   - rows are cut into blocks of `block_rows` (the unit of parallel work: each block writes
 //     only its own outputs), and the table into slices of `slice_entries` entries (small
-//     enough to stay in L2 while a block reads it);
+//     enough to stay in L2 while a block reads it; the kernel prefetches the next slice);
 //   - within (block, slice) the (row n, group g, code) triples are sorted by n, then g, and
 //     every row's run is padded to a multiple of 8 entries;
 //   - the kernel accumulates a run in vector registers (acc += x_g * C[code], 8 independent
