@@ -11,6 +11,8 @@ of process CPU time. Prints the CPU (model, ISA features) first and one JSON lin
     python benchmarks/bench_codebook.py --num-entries 65536 --rows 1 16   # 1x16 (int16 codes)
     python benchmarks/bench_codebook.py --device cuda [...]   (benchmarks/bench_codebook_cuda.py)
 
+Larger E is also timed through the packed index layout (``codebook_matmul_packed``, the
+layout built once per weight, as CodebookLinear keeps it) for up to 16 rows.
 E <= 256 uses uint8 codes (the lookup-table kernels); larger E int16 codes stored as AQLM does
 (values >= 2**15 wrapped negative), which take the gather kernels, and the forward is timed a
 second time with the codebook in float16 (AQLM's dtype, read as it is by the kernel) against
@@ -62,6 +64,12 @@ def main():
     parser.add_argument("--num-entries", type=int, default=256)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument(
+        "--slice-entries", type=int, default=0, help="packed layout's slice (0: the default)"
+    )
+    parser.add_argument(
+        "--block-rows", type=int, default=0, help="packed layout's row block (0: the default)"
+    )
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -109,6 +117,23 @@ def main():
             entry["forward_fp16_codebook_vs_dense"] = summarize(
                 "fp16 codebook vs dense x @ W.T", *fwd16
             )
+            if indices.dim() == 2 and rows <= 16:
+                # The layout CodebookLinear builds once per weight (csrc/cpu/codebook_packed.h).
+                packed = torch.ops.rlx.codebook_pack_indices(
+                    indices, e, args.slice_entries, args.block_rows
+                )
+                for name, cb, w in (("", codebook, weight), ("fp16 ", codebook16, weight16)):
+                    fwdp = paired_times(
+                        [
+                            lambda x=x, w=w: x @ w.T,
+                            lambda x=x, cb=cb, p=packed: torch.ops.rlx.codebook_matmul_packed(
+                                x, p, indices, cb, None, None
+                            ),
+                        ],
+                        args.repeat,
+                    )
+                    key = f"forward_packed_{name.strip() or 'fp32'}_vs_dense"
+                    entry[key] = summarize(f"packed {name}vs dense x @ W.T", *fwdp)
 
         x_req = x.clone().requires_grad_()
         cb_req = codebook.clone().requires_grad_()

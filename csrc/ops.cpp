@@ -21,6 +21,15 @@ TORCH_LIBRARY(rlx, m) {
   m.def(
       "codebook_matmul_backward(Tensor grad_out, Tensor x, Tensor indices, Tensor codebook,"
       " Tensor? scales, bool[4] output_mask) -> (Tensor, Tensor, Tensor, Tensor)");
+  // 16-bit codes, one codebook, reordered once per weight for the CPU forward (layout:
+  // csrc/cpu/codebook_packed.h); codebook_matmul_packed(x, packed, indices, ...) equals
+  // codebook_matmul(x, indices, ...) for packed = codebook_pack_indices(indices, E).
+  m.def(
+      "codebook_pack_indices(Tensor indices, int num_entries, int slice_entries=0,"
+      " int block_rows=0) -> Tensor");
+  m.def(
+      "codebook_matmul_packed(Tensor x, Tensor packed, Tensor indices, Tensor codebook,"
+      " Tensor? scales, Tensor? bias) -> Tensor");
 
   // ---- gated delta rule (csrc/cpu/gated_delta_{forward,backward}.cpp, gated_delta.cpp) ----
   // Contract (shapes, dtypes, checkpoints): rlx_torch/ops/gated_delta.py; packed layouts:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..ops import _codebook_autograd, _codebook_packed
 from ..ops.codebook import codebook_matmul
 from ..quant import (
     dequantize,
@@ -51,6 +52,7 @@ class CodebookLinear(nn.Module):
 
     # Properties TorchScript must not compile (they build tensors from Python helpers).
     __jit_unused_properties__ = ["weight", "bits_per_weight"]
+    __jit_ignored_attributes__ = ["_packed_indices"]
 
     def __init__(
         self,
@@ -97,6 +99,10 @@ class CodebookLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.quantization_error: float | None = None  # set by from_linear
+        # Opt-in: CPU inference through the packed index layout (built on first use, rebuilt
+        # when indices change; twice the indices' memory). docs/codebook.md.
+        self.cpu_packed_forward = False
+        self._packed_indices = _codebook_packed.PackedIndices()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -144,6 +150,17 @@ class CodebookLinear(nn.Module):
 
     @torch.jit.unused
     def _eager_forward(self, x: Tensor) -> Tensor:
+        if (
+            getattr(self, "cpu_packed_forward", False)
+            and _codebook_packed.usable(x, self.indices, self.codebook)
+            and not torch.compiler.is_compiling()
+            and not _codebook_autograd._functorch_active()
+            and not _codebook_autograd._needs_autograd(x, self.codebook, self.scales, self.bias)
+        ):
+            packed = self._packed_indices.get(self.indices, self.num_entries)
+            return torch.ops.rlx.codebook_matmul_packed(
+                x, packed, self.indices, self.codebook, self.scales, self.bias
+            )
         return codebook_matmul(x, self.indices, self.codebook, self.scales, self.bias)
 
     def dequantize(self) -> Tensor:

@@ -178,6 +178,8 @@ def _codebook_matmul_backward_fake(grad_out, x, indices, codebook, scales, outpu
 
 _codebook_autograd.register()
 
+from . import _codebook_packed  # noqa: E402, F401  (registers the packed ops' fakes, autograd)
+
 
 def codebook_matmul(
     x: torch.Tensor,
