@@ -118,7 +118,7 @@ at::Tensor forward_cpu(const at::Tensor& x, const at::Tensor& indices, const at:
                        const std::optional<at::Tensor>& bias) {
   const Dims d = check_inputs(x, indices, codebook, scales, bias);
   if (d.index_bytes == 2) {
-    return RLX_ISA_CALL(gather_forward_op)(x, indices, codebook, scales, bias, d);
+    return gather_forward_op(x, indices, codebook, scales, bias, d);
   }
   check_index_range(indices, d);
   return forward_u8(x, indices, codebook, scales, bias, d);

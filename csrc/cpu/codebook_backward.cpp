@@ -331,7 +331,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cpu(
     std::array<bool, 4> mask) {
   const Dims d = check_backward_inputs(grad_out, x, indices, codebook, scales, mask);
   if (d.index_bytes == 2) {
-    return RLX_ISA_CALL(gather_backward_op)(grad_out, x, indices, codebook, scales, mask, d);
+    return gather_backward_op(grad_out, x, indices, codebook, scales, mask, d);
   }
   check_index_range(indices, d);
   return backward_u8(grad_out, x, indices, codebook, scales, mask, d);

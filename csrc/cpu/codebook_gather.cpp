@@ -1,6 +1,8 @@
 // rlx::codebook_matmul and its backward for 16-bit indices on CPU: the gather kernels of
 // codebook_gather.h for small batches, dequantized tiles + GEMM (codebook_kernels.h) for large
-// ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs.
+// ones. codebook.cpp and codebook_backward.cpp call these after checking the inputs. Each ISA
+// copy defines the kernels' raw-pointer entry points; the host code after the region (checks,
+// allocation, the accumulation type's choice) is compiled once.
 #include "cpu_kernel_deps.h"
 #include "codebook_kernels.h"
 
@@ -17,11 +19,6 @@ RLX_ISA_BEGIN
 
 namespace rlx::codebook::cpu::RLX_ISA_NS {
 namespace {
-
-const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
-  // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
-  return static_cast<const uint16_t*>(contiguous_indices.const_data_ptr());
-}
 
 #ifdef RLX_HALF_GATHER
 // gather_rows_fixed for a float16 or bfloat16 codebook with D = 8: each entry is one 16-byte
@@ -79,9 +76,6 @@ __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
 }
 #endif
 
-// raw for a float16/bfloat16 codebook read as it is (D = 8, float accumulation, the gather
-// path's batch sizes, a CPU with F16C for float16); otherwise an undefined tensor, and the
-// caller converts the codebook.
 #ifdef RLX_HALF_GATHER
 // F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
 bool cpu_has_f16c() {
@@ -93,33 +87,106 @@ bool cpu_has_f16c() {
 }
 #endif
 
+}  // namespace
+
+bool half_gather_supported(bool bf16) {
+#ifdef RLX_HALF_GATHER
+  return bf16 || cpu_has_f16c();
+#else
+  return false;
+#endif
+}
+
+int64_t gather_forward_half_rows(const Dims& d, const float* x, const uint16_t* idx,
+                                 const uint16_t* cb, bool bf16, float* raw) {
+  BadIndex bad;
+#ifdef RLX_HALF_GATHER
+  if (d.rows == 0 || d.out_features == 0) return -1;
+  warm_codebook(cb, d.num_codebooks * d.num_entries * 8 * 2);
+  gather_tiles(d, x, raw,
+               [&](auto bt, auto jt, const float* xt, int64_t j0, int64_t j1, float* dst) {
+                 constexpr int BT = decltype(bt)::value, JT = decltype(jt)::value;
+                 if (bf16)
+                   gather_rows_half8<true, BT, JT>(d, xt, idx, cb, j0, j1, dst, d.out_features, bad);
+                 else
+                   gather_rows_half8<false, BT, JT>(d, xt, idx, cb, j0, j1, dst, d.out_features, bad);
+               });
+#endif
+  return bad.top.load();
+}
+
+template <typename acc_t>
+int64_t gather_forward_rows(const Dims& d, const acc_t* x, const uint16_t* idx, const acc_t* cb,
+                            acc_t* raw) {
+  BadIndex bad;
+  gather_forward<acc_t>(d, x, idx, cb, raw, bad);
+  return bad.top.load();
+}
+
+template <typename acc_t>
+int64_t gather_backward_rows(const Dims& d, const acc_t* gs, const acc_t* x, const uint16_t* idx,
+                             const acc_t* cb, acc_t* dx, acc_t* dc_parts, int64_t chunks) {
+  BadIndex bad;
+  gather_backward<acc_t>(d, gs, x, idx, cb, dx, dc_parts, chunks, bad);
+  return bad.top.load();
+}
+
+#define RLX_INSTANTIATE_GATHER(acc_t)                                                         \
+  template int64_t gather_forward_rows<acc_t>(const Dims&, const acc_t*, const uint16_t*,     \
+                                              const acc_t*, acc_t*);                          \
+  template int64_t gather_backward_rows<acc_t>(const Dims&, const acc_t*, const acc_t*,       \
+                                               const uint16_t*, const acc_t*, acc_t*, acc_t*, \
+                                               int64_t);
+RLX_INSTANTIATE_GATHER(float)
+RLX_INSTANTIATE_GATHER(double)
+
+}  // namespace rlx::codebook::cpu::RLX_ISA_NS
+RLX_ISA_END
+
+#if !defined(RLX_ISA_AVX2_COPY)
+// The ops: host code, compiled once.
+namespace rlx::codebook::cpu {
+namespace {
+
+const uint16_t* u16_data(const at::Tensor& contiguous_indices) {
+  // int16 and uint16 share the bit pattern; reading uint16 is AQLM's "modulo 2^16".
+  return static_cast<const uint16_t*>(contiguous_indices.const_data_ptr());
+}
+
+// Raises unless every index is < E (16-bit indices, before the dense path reads them).
+void check_index_range_u16(const uint16_t* idx, int64_t n, const Dims& d) {
+  if (d.num_entries >= 65536 || n == 0) return;
+  std::atomic<int64_t> bad{-1};
+  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
+    uint16_t top = 0;
+    for (int64_t i = begin; i < end; ++i) top = std::max(top, idx[i]);
+    if (top < d.num_entries) return;
+    int64_t cur = bad.load(std::memory_order_relaxed);
+    while (top > cur && !bad.compare_exchange_weak(cur, top, std::memory_order_relaxed)) {
+    }
+  });
+  raise_if_bad_index(bad.load(), d);
+}
+
+// raw for a float16/bfloat16 codebook read as it is (D = 8, float accumulation, the gather
+// path's batch sizes, a CPU with F16C for float16); otherwise an undefined tensor, and the
+// caller converts the codebook.
 at::Tensor gather_raw_half(const Dims& d, const at::Tensor& x_acc, const uint16_t* ip,
                            const at::Tensor& codebook) {
-#ifdef RLX_HALF_GATHER
   const at::ScalarType ct = codebook.scalar_type();
   const bool bf16 = ct == at::kBFloat16;
   if (x_acc.scalar_type() != at::kFloat || (ct != at::kHalf && !bf16) || d.entry_dim != 8 ||
-      use_gather_dense(d) || (!bf16 && !cpu_has_f16c()))
+      use_gather_dense(d) || !RLX_ISA_CALL(half_gather_supported)(bf16))
     return {};
   auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
   if (d.rows == 0 || d.out_features == 0) return raw;
   const auto cb = codebook.contiguous();
-  const auto* c = static_cast<const uint16_t*>(cb.const_data_ptr());
-  warm_codebook(c, d.num_codebooks * d.num_entries * 8 * 2);
-  BadIndex bad;
-  gather_tiles(d, x_acc.const_data_ptr<float>(), raw.data_ptr<float>(),
-               [&](auto bt, auto jt, const float* xt, int64_t j0, int64_t j1, float* dst) {
-                 constexpr int BT = decltype(bt)::value, JT = decltype(jt)::value;
-                 if (bf16)
-                   gather_rows_half8<true, BT, JT>(d, xt, ip, c, j0, j1, dst, d.out_features, bad);
-                 else
-                   gather_rows_half8<false, BT, JT>(d, xt, ip, c, j0, j1, dst, d.out_features, bad);
-               });
-  bad.raise_if_any(d);
+  raise_if_bad_index(
+      RLX_ISA_CALL(gather_forward_half_rows)(d, x_acc.const_data_ptr<float>(), ip,
+                                             static_cast<const uint16_t*>(cb.const_data_ptr()),
+                                             bf16, raw.data_ptr<float>()),
+      d);
   return raw;
-#else
-  return {};
-#endif
 }
 
 // raw[b, j] = sum_{g,m} x[b, g] . C[m, I[j,g,m]] in acc_t ([B, N], unscaled, no bias).
@@ -131,11 +198,22 @@ at::Tensor gather_raw(const Dims& d, const at::Tensor& x_acc, const uint16_t* ip
     return dense_raw<acc_t>(d, x_acc, ip, C.data());
   }
   auto raw = at::empty({d.rows, d.out_features}, x_acc.options());
-  BadIndex bad;
-  gather_forward<acc_t>(d, x_acc.const_data_ptr<acc_t>(), ip, C.data(), raw.data_ptr<acc_t>(),
-                        bad);
-  bad.raise_if_any(d);
+  raise_if_bad_index(RLX_ISA_CALL(gather_forward_rows<acc_t>)(
+                         d, x_acc.const_data_ptr<acc_t>(), ip, C.data(), raw.data_ptr<acc_t>()),
+                     d);
   return raw;
+}
+
+// f(acc_t{}) for the accumulation type of x's dtype (float32 for float32 and the 16-bit
+// types, float64 for float64): the host code runs on copies in acc_t, so the four input
+// dtypes share two instantiations.
+template <typename F>
+void with_acc_type(at::ScalarType x_type, const F& f) {
+  if (acc_dtype(x_type) == at::kDouble) {
+    f(double{});
+  } else {
+    f(float{});
+  }
 }
 
 }  // namespace
@@ -148,8 +226,8 @@ at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
   const at::ScalarType acc = acc_dtype(x.scalar_type());
   auto x_acc = x.reshape({d.rows, d.in_features}).to(acc).contiguous();
   auto idx = indices.contiguous();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
+  with_acc_type(x.scalar_type(), [&](auto acc_zero) {
+    using acc_t = decltype(acc_zero);
     at::Tensor raw = gather_raw_half(d, x_acc, u16_data(idx), codebook);
     if (!raw.defined()) {
       const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/false);
@@ -174,8 +252,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   const uint16_t* ip = u16_data(idx);
   at::Tensor dx = skipped(), dC = skipped(), ds = skipped(), db = skipped();
   if (mask[3]) db = g_acc.sum(0).to(x.scalar_type());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul_backward", [&] {
-    using acc_t = typename AccType<scalar_t>::type;
+  with_acc_type(x.scalar_type(), [&](auto acc_zero) {
+    using acc_t = decltype(acc_zero);
     if (mask[2]) {
       at::Tensor raw = gather_raw_half(d, x_acc, ip, codebook);
       if (!raw.defined())
@@ -198,11 +276,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
       const int64_t chunks = gather_backward_chunks(d, sizeof(acc_t), mask[1]);
       if (mask[1]) parts = at::zeros({chunks, med}, at::dtype(acc));
       if (mask[0]) dx_acc = at::empty({d.rows, d.in_features}, at::dtype(acc));
-      BadIndex bad;
-      gather_backward<acc_t>(d, gs.const_data_ptr<acc_t>(), x_acc.const_data_ptr<acc_t>(), ip,
+      raise_if_bad_index(RLX_ISA_CALL(gather_backward_rows<acc_t>)(
+                             d, gs.const_data_ptr<acc_t>(), x_acc.const_data_ptr<acc_t>(), ip,
                              C.data(), mask[0] ? dx_acc.data_ptr<acc_t>() : nullptr,
-                             mask[1] ? parts.data_ptr<acc_t>() : nullptr, chunks, bad);
-      bad.raise_if_any(d);
+                             mask[1] ? parts.data_ptr<acc_t>() : nullptr, chunks),
+                         d);
     }
     if (mask[0]) dx = dx_acc.view(x.sizes()).to(x.scalar_type()).contiguous();
     if (mask[1]) {
@@ -215,5 +293,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
   return {dx, dC, ds, db};
 }
 
-}  // namespace rlx::codebook::cpu::RLX_ISA_NS
-RLX_ISA_END
+}  // namespace rlx::codebook::cpu
+#endif

@@ -38,7 +38,8 @@ namespace rlx::codebook::cpu::RLX_ISA_NS {
 
 using namespace ::rlx::RLX_ISA_NS;  // vec.h
 
-// Largest index >= E seen by a kernel (-1: none), for the caller's error message.
+// Largest index >= E seen by a kernel (-1: none); the entry points return it and the host
+// code raises (raise_if_bad_index, codebook_kernels.h).
 struct BadIndex {
   std::atomic<int64_t> top{-1};
   void report(int64_t e) {
@@ -46,17 +47,9 @@ struct BadIndex {
     while (e > cur && !top.compare_exchange_weak(cur, e, std::memory_order_relaxed)) {
     }
   }
-  void raise_if_any(const Dims& d) const {
-    const int64_t t = top.load();
-    TORCH_CHECK_VALUE(t < 0, "codebook_matmul: indices must be < E=", d.num_entries,
-                      " (the number of codebook entries), found ", t);
-  }
 };
 
 inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward work item
-inline constexpr int64_t kMaxGatherBatch = 16;     // the gather path's batch limit (else dense)
-
-inline bool use_gather_dense(const Dims& d) { return d.rows > kMaxGatherBatch; }
 
 // raw[b0 + b, j] (b < BT) for rows j in [j0, j1): JT rows at a time give JT*BT independent
 // accumulator chains. xt is [BT][K] in acc_t (zero rows past the batch). Compile-time D.
@@ -225,16 +218,6 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
       }
     });
   }
-}
-
-// Group chunks of the gather backward: each owns its dx columns and one dC partial. The count
-// depends on the shape alone (deterministic); partials are capped at 64 MiB in all.
-inline int64_t gather_backward_chunks(const Dims& d, int64_t acc_size, bool want_dc) {
-  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(4, ceil_div(d.groups, 16)));
-  if (!want_dc) return std::max<int64_t>(1, std::min<int64_t>(d.groups, 64));
-  const int64_t med_bytes = d.num_codebooks * d.num_entries * d.entry_dim * acc_size;
-  const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(med_bytes, 1));
-  return std::min(by_groups, by_memory);
 }
 
 // Codes of groups [g0, g1) transposed to ct[(g - g0) * M + m][j] (one sequential stream per
@@ -438,26 +421,5 @@ void gather_backward(const Dims& d, const acc_t* gs, const acc_t* x_acc, const u
     gather_backward_any<acc_t>(d, gs, x_acc, idx, cb, dx, dc_parts, chunks, bad);
   }
 }
-
-// Raises unless every index is < E (16-bit indices, before the dense path reads them).
-inline void check_index_range_u16(const uint16_t* idx, int64_t n, const Dims& d) {
-  if (d.num_entries >= 65536 || n == 0) return;
-  BadIndex bad;
-  at::parallel_for(0, n, 1 << 16, [&](int64_t begin, int64_t end) {
-    uint16_t top = 0;
-    for (int64_t i = begin; i < end; ++i) top = std::max(top, idx[i]);
-    if (top >= d.num_entries) bad.report(top);
-  });
-  bad.raise_if_any(d);
-}
-
-// The two ops for 16-bit indices (codebook_gather.cpp); inputs already checked.
-at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
-                             const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
-                             const std::optional<at::Tensor>& bias, const Dims& d);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
-    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
-    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
-    std::array<bool, 4> mask, const Dims& d);
 
 }  // namespace rlx::codebook::cpu::RLX_ISA_NS

@@ -9,6 +9,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/mm.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
 #include <rlx/codebook.h>
@@ -115,15 +116,23 @@ RLX_ISA_DECLARE(
     void scatter_weight_grad(const Dims& d, const acc_t* dw, const index_t* idx, int64_t j0,
                              int64_t j1, int64_t gpb, acc_t* dc_parts);
 
-    // The ops for 16-bit indices (codebook_gather.cpp), after the checks.
-    at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
-                                 const at::Tensor& codebook,
-                                 const std::optional<at::Tensor>& scales,
-                                 const std::optional<at::Tensor>& bias, const Dims& d);
-    std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
-        const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
-        const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
-        std::array<bool, 4> mask, const Dims& d);)
+    // The gather kernels for 16-bit indices (codebook_gather.cpp) for d.rows <=
+    // kMaxGatherBatch rows; each returns the largest index >= E it skipped, or -1.
+    // raw [B, N] = the unscaled forward sums; x [B, K], cb [M, E, D], all acc_t, contiguous.
+    template <typename acc_t>
+    int64_t gather_forward_rows(const Dims& d, const acc_t* x, const uint16_t* idx,
+                                const acc_t* cb, acc_t* raw);
+    // The same from a float16 (bf16 false) or bfloat16 codebook's bits read as they are
+    // (D = 8, float32 x and raw), where half_gather_supported(bf16).
+    bool half_gather_supported(bool bf16);
+    int64_t gather_forward_half_rows(const Dims& d, const float* x, const uint16_t* idx,
+                                     const uint16_t* cb, bool bf16, float* raw);
+    // dx ([B, K], or null) and dcodebook partials ([chunks][M*E*D], zeroed, or null), chunks
+    // = gather_backward_chunks(d, sizeof(acc_t), dc_parts != null); gs = dout * s [B, N].
+    template <typename acc_t>
+    int64_t gather_backward_rows(const Dims& d, const acc_t* gs, const acc_t* x,
+                                 const uint16_t* idx, const acc_t* cb, acc_t* dx,
+                                 acc_t* dc_parts, int64_t chunks);)
 
 // Codebook in the accumulation type, as [M][E][D] and transposed [M][D][E].
 template <typename acc_t>
@@ -180,6 +189,36 @@ void dense_backward(const Dims& d, const at::Tensor& gs, const at::Tensor& x_acc
                                                       dc_parts);
   }
 }
+
+inline constexpr int64_t kMaxGatherBatch = 16;  // the gather path's batch limit (else dense)
+
+// 16-bit indices: the gather kernels up to kMaxGatherBatch rows, the dense path above.
+inline bool use_gather_dense(const Dims& d) { return d.rows > kMaxGatherBatch; }
+
+// Group chunks of the gather backward: each owns its dx columns and one dC partial. The count
+// depends on the shape alone (deterministic); partials are capped at 64 MiB in all.
+inline int64_t gather_backward_chunks(const Dims& d, int64_t acc_size, bool want_dc) {
+  const int64_t by_groups = std::max<int64_t>(1, std::min<int64_t>(4, ceil_div(d.groups, 16)));
+  if (!want_dc) return std::max<int64_t>(1, std::min<int64_t>(d.groups, 64));
+  const int64_t med_bytes = d.num_codebooks * d.num_entries * d.entry_dim * acc_size;
+  const int64_t by_memory = std::max<int64_t>(1, (int64_t(64) << 20) / std::max<int64_t>(med_bytes, 1));
+  return std::min(by_groups, by_memory);
+}
+
+// Raises for bad_index >= 0, the largest index >= E a kernel found.
+inline void raise_if_bad_index(int64_t bad_index, const Dims& d) {
+  TORCH_CHECK_VALUE(bad_index < 0, "codebook_matmul: indices must be < E=", d.num_entries,
+                    " (the number of codebook entries), found ", bad_index);
+}
+
+// The ops for 16-bit indices (codebook_gather.cpp), after the checks.
+at::Tensor gather_forward_op(const at::Tensor& x, const at::Tensor& indices,
+                             const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+                             const std::optional<at::Tensor>& bias, const Dims& d);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gather_backward_op(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
+    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+    std::array<bool, 4> mask, const Dims& d);
 
 // t in float32 (the host code's copies of 16-bit inputs), or nullopt.
 inline std::optional<at::Tensor> to_float(const std::optional<at::Tensor>& t) {
