@@ -23,7 +23,13 @@ import sys
 
 import torch
 from setuptools import setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+from torch.utils.cpp_extension import (
+    CUDA_HOME,
+    BuildExtension,
+    CppExtension,
+    CUDAExtension,
+    include_paths,
+)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -264,6 +270,10 @@ def _extension():
         debug=os.getenv("DEBUG", "0") == "1",
         clang_openmp=os.getenv("RLX_CLANG_OPENMP", "0") == "1",
         sanitize=os.getenv("RLX_SANITIZE", "0") == "1")
+    # torch's include directories as system directories (BuildExtension passes them with -I):
+    # warnings raised inside torch's own templates (e.g. -Wsign-compare in c10's overflow
+    # checks, instantiated by every file) are not this project's, and -I would print them.
+    flags["cxx"] += [f"-isystem{d}" for d in include_paths()]
     include_dirs = [os.path.join(ROOT, "csrc", "include")]
     if use_mps:
         import embed_metal
