@@ -9,7 +9,6 @@
 // The float16/bfloat16 codebook kernel lives in the AVX2 copy only (with F16C added to its
 // target, checked at run time for float16); the baseline copy converts the codebook instead.
 #if defined(__x86_64__) && RLX_ISA_AVX && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
 #include <immintrin.h>
 #define RLX_HALF_GATHER 1
 #endif
@@ -76,22 +75,11 @@ __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
 }
 #endif
 
-#ifdef RLX_HALF_GATHER
-// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
-bool cpu_has_f16c() {
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
-  }();
-  return has;
-}
-#endif
-
 }  // namespace
 
 bool half_gather_supported(bool bf16) {
 #ifdef RLX_HALF_GATHER
-  return bf16 || cpu_has_f16c();
+  return bf16 || rlx::cpu_has_f16c();
 #else
   return false;
 #endif

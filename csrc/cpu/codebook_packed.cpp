@@ -11,7 +11,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #if defined(__x86_64__) && RLX_ISA_AVX && (defined(__GNUC__) || defined(__clang__))
-#include <cpuid.h>
 #define RLX_PACKED_HALF 1
 #define RLX_PACKED_HALF_TARGET __attribute__((target("avx2,fma,f16c")))
 #define RLX_PACKED_TILE_TARGET RLX_PACKED_HALF_TARGET
@@ -61,22 +60,13 @@ RLX_PACKED_HALF_TARGET void tile_half(const PackedView& v, const float* xt, floa
       v, xt, dst, v.rows,
       SliceLoads<uint16_t, LoadHalf<Bf16>>{cb, v.slice_entries, v.entries});
 }
-
-// F16C from CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
-bool has_f16c() {
-  static const bool has = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
-  }();
-  return has;
-}
 #endif
 
 }  // namespace
 
 bool packed_reads_half(int cb_half) {
 #ifdef RLX_PACKED_HALF
-  return cb_half == 2 || (cb_half == 1 && has_f16c());
+  return cb_half == 2 || (cb_half == 1 && rlx::cpu_has_f16c());
 #else
   (void)cb_half;
   return false;

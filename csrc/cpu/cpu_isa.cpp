@@ -8,6 +8,10 @@
 
 #include "cpu_isa.h"
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <cpuid.h>
+#endif
+
 namespace rlx {
 namespace {
 
@@ -44,6 +48,19 @@ std::string cpu_isa_op() { return cpu_isa_name(cpu_isa()); }
 CpuIsa cpu_isa() {
   static const CpuIsa isa = choose_cpu_isa();
   return isa;
+}
+
+bool cpu_has_f16c() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // CPUID leaf 1 (clang's __builtin_cpu_supports has no "f16c").
+  static const bool has = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid(1, &a, &b, &c, &d) != 0 && (c & bit_F16C) != 0;
+  }();
+  return has;
+#else
+  return false;
+#endif
 }
 
 const char* cpu_isa_name(CpuIsa isa) {

@@ -81,6 +81,10 @@ enum class CpuIsa : int { kBaseline = 0, kAvx2 = 1, kAvx512 = 2 };
 CpuIsa cpu_isa();
 const char* cpu_isa_name(CpuIsa isa);
 
+// Whether the CPU converts float16 in hardware (F16C, CPUID leaf 1; x86-64 only, false
+// elsewhere). The AVX2 copies' float16 codebook kernels need it on top of AVX2.
+bool cpu_has_f16c();
+
 }  // namespace rlx
 
 // Host code (argument checks, allocation, dtype dispatch, registration) is compiled once, in
