@@ -85,6 +85,9 @@ def test_fused_ops_transposed_layouts(dtype, nesterov):
                                                       1.02, dtype, transposed)
         out[transposed, "bufs"] = b
     assert out[True].shape == (3, 8, 24)
+    torch.library.opcheck(torch.ops.rlx.muon_ns_input.default,
+                          ([g.clone() for g in grads], [b.clone() for b in bufs], 24, 8, 0.9,
+                           nesterov, 1e-7, 1.02, dtype, True))
     assert torch.equal(out[True], out[False].mT.contiguous())
     for b0, b1 in zip(out[False, "bufs"], out[True, "bufs"], strict=True):
         assert torch.equal(b0, b1)
@@ -94,6 +97,8 @@ def test_fused_ops_transposed_layouts(dtype, nesterov):
         params[view] = [x.clone() for x in grads]
         o = ortho.mT if view == "transposed" else ortho.mT.contiguous()
         torch.ops.rlx.muon_apply_(params[view], o, 0.1, 0.01, 1.5)
+    torch.library.opcheck(torch.ops.rlx.muon_apply_.default,
+                          ([x.clone() for x in grads], ortho.mT, 0.1, 0.01, 1.5))
     for a, b in zip(params["transposed"], params["contiguous"], strict=True):
         assert torch.equal(a, b)
     expected = grads[1] * (1 - 0.1 * 0.01) - 0.1 * 1.5 * ortho[2].mT.float()
