@@ -67,11 +67,15 @@ TORCH_LIBRARY(rlx, m) {
   // Whether this CPU runs symmetric_matmul natively (AVX512-BF16); else it is a fallback.
   m.def("symmetric_matmul_is_native() -> bool");
   // ---- fused elementwise parts of a Muon step (csrc/cpu/muon_update.cpp) ----
-  // Updates bufs (momentum), returns the normalized NS input [matrices, rows, cols] in dtype.
+  // Updates bufs (momentum), returns the normalized NS input [matrices, rows, cols] in dtype;
+  // transposed: each matrix written as its transpose, [matrices, cols, rows].
   m.def(
       "muon_ns_input(Tensor[] grads, Tensor(a!)[] bufs, int rows, int cols, float momentum,"
-      " bool nesterov, float eps, float safety, ScalarType dtype) -> Tensor");
-  // params <- (1 - lr * weight_decay) * params - lr * scale * ortho (matrix by matrix).
+      " bool nesterov, float eps, float safety, ScalarType dtype, bool transposed=False)"
+      " -> Tensor");
+  // params <- (1 - lr * weight_decay) * params - lr * scale * ortho (matrix by matrix); ortho
+  // [matrices, rows, cols] contiguous, or the transposed view of a contiguous
+  // [matrices, cols, rows].
   m.def(
       "muon_apply_(Tensor(a!)[] params, Tensor ortho, float lr, float weight_decay,"
       " float scale) -> ()");

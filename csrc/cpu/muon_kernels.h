@@ -35,13 +35,15 @@ struct MatrixIndex {
 RLX_ISA_DECLARE(
     // Per matrix of index: the momentum buffers bufs[t] (updated in place), and the
     // normalized Newton-Schulz input, out (float or c10::BFloat16, [index.total(), size]).
+    // rows > 0: each matrix (rows x size/rows, row-major) is written as its transpose.
     template <typename out_t>
     void muon_ns_input_rows(const MatrixIndex& index, const float* const* grads,
                             float* const* bufs, float momentum, bool nesterov, double eps,
-                            double safety, out_t* out);
-    // params[t] <- decay params[t] - step ortho (ortho float or c10::BFloat16).
+                            double safety, out_t* out, int64_t rows);
+    // params[t] <- decay params[t] - step ortho (ortho float or c10::BFloat16); rows > 0:
+    // each matrix of ortho is stored as its transpose (size/rows x rows).
     template <typename in_t>
     void muon_apply_rows(const MatrixIndex& index, float* const* params, const in_t* ortho,
-                         float decay, float step);)
+                         float decay, float step, int64_t rows);)
 
 }  // namespace rlx

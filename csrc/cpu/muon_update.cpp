@@ -43,9 +43,24 @@ inline void store_as(at::BFloat16* dst, float x) {
 // pass 2 writes the normalized update, rounded once to out_t. The scale 1/norm is applied in
 // float32 unless it is below float32's normal range (a norm above about 8.5e37), then in
 // double, so that no digits are lost.
+// Element i = r * cols + c of a rows x cols matrix goes to x[i], or to x[c * rows + r] when
+// `rows` > 0 (the transpose: Newton-Schulz iterates tall matrices in their wide form).
+template <typename out_t, typename F>
+inline void store_matrix(out_t* __restrict x, int64_t n, int64_t rows, F value) {
+  if (rows <= 0) {
+    for (int64_t i = 0; i < n; ++i) store_as(x + i, value(i));
+    return;
+  }
+  const int64_t cols = n / rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) store_as(x + c * rows + r, value(r * cols + c));
+  }
+}
+
 template <bool kSmallW, bool kSmallMomentum, bool kNesterov, typename out_t>
 void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, float w,
-                     float momentum, double eps, double safety, out_t* __restrict x) {
+                     float momentum, double eps, double safety, out_t* __restrict x,
+                     int64_t rows) {
   auto update = [&](float gi, float bi) {
     return kNesterov ? lerp<kSmallMomentum>(gi, bi, momentum) : bi;
   };
@@ -69,11 +84,11 @@ void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, 
   const double inv = 1.0 / std::max(std::sqrt(ss) * safety, eps);
   if (inv >= static_cast<double>(std::numeric_limits<float>::min())) {
     const float inv_f = static_cast<float>(inv);
-    for (int64_t i = 0; i < n; ++i) store_as(x + i, update(g[i], b[i]) * inv_f);
+    store_matrix(x, n, rows, [&](int64_t i) { return update(g[i], b[i]) * inv_f; });
   } else {
-    for (int64_t i = 0; i < n; ++i) {
-      store_as(x + i, static_cast<float>(static_cast<double>(update(g[i], b[i])) * inv));
-    }
+    store_matrix(x, n, rows, [&](int64_t i) {
+      return static_cast<float>(static_cast<double>(update(g[i], b[i])) * inv);
+    });
   }
 }
 
@@ -82,21 +97,21 @@ void ns_input_matrix(const float* __restrict g, float* __restrict b, int64_t n, 
 template <typename out_t>
 void muon_ns_input_rows(const MatrixIndex& index, const float* const* grads,
                         float* const* bufs, float momentum, bool nesterov, double eps,
-                        double safety, out_t* out) {
+                        double safety, out_t* out, int64_t rows) {
   const float w = 1.0f - momentum;
   auto matrix = [&](const float* g, float* b, out_t* x) {
     const int64_t n = index.size;
     // w = 1 - mu with mu in [0, 1): at most one of w and mu is below 0.5 (neither at 0.5).
     const bool small_w = std::abs(w) < 0.5f, small_m = std::abs(momentum) < 0.5f;
     if (!nesterov) {  // mu's lerp is not used
-      small_w ? ns_input_matrix<true, true, false>(g, b, n, w, momentum, eps, safety, x)
-              : ns_input_matrix<false, true, false>(g, b, n, w, momentum, eps, safety, x);
+      small_w ? ns_input_matrix<true, true, false>(g, b, n, w, momentum, eps, safety, x, rows)
+              : ns_input_matrix<false, true, false>(g, b, n, w, momentum, eps, safety, x, rows);
     } else if (small_w) {  // the usual momentum, 0.5 < mu < 1
-      ns_input_matrix<true, false, true>(g, b, n, w, momentum, eps, safety, x);
+      ns_input_matrix<true, false, true>(g, b, n, w, momentum, eps, safety, x, rows);
     } else if (small_m) {
-      ns_input_matrix<false, true, true>(g, b, n, w, momentum, eps, safety, x);
+      ns_input_matrix<false, true, true>(g, b, n, w, momentum, eps, safety, x, rows);
     } else {
-      ns_input_matrix<false, false, true>(g, b, n, w, momentum, eps, safety, x);
+      ns_input_matrix<false, false, true>(g, b, n, w, momentum, eps, safety, x, rows);
     }
   };
   at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
@@ -107,10 +122,11 @@ void muon_ns_input_rows(const MatrixIndex& index, const float* const* grads,
   });
 }
 template void muon_ns_input_rows<float>(const MatrixIndex&, const float* const*,
-                                        float* const*, float, bool, double, double, float*);
+                                        float* const*, float, bool, double, double, float*,
+                                        int64_t);
 template void muon_ns_input_rows<at::BFloat16>(const MatrixIndex&, const float* const*,
                                                float* const*, float, bool, double, double,
-                                               at::BFloat16*);
+                                               at::BFloat16*, int64_t);
 
 namespace {
 
@@ -126,21 +142,30 @@ inline float to_float(at::BFloat16 x) {
 
 template <typename in_t>
 void muon_apply_rows(const MatrixIndex& index, float* const* params, const in_t* ortho,
-                     float decay, float step) {
+                     float decay, float step, int64_t rows) {
   at::parallel_for(0, index.total(), 1, [&](int64_t begin, int64_t end) {
     for (int64_t mat = begin; mat < end; ++mat) {
       const auto [t, offset] = index.locate(mat);
       float* p = params[t] + offset;
       const in_t* o = ortho + mat * index.size;
-      for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
+      if (rows <= 0) {
+        for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
+        continue;
+      }
+      const int64_t cols = index.size / rows;  // o holds the matrix as its transpose
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c) {
+          p[r * cols + c] = decay * p[r * cols + c] - step * to_float(o[c * rows + r]);
+        }
+      }
     }
   });
 }
 
 template void muon_apply_rows<float>(const MatrixIndex&, float* const*, const float*, float,
-                                     float);
+                                     float, int64_t);
 template void muon_apply_rows<at::BFloat16>(const MatrixIndex&, float* const*,
-                                            const at::BFloat16*, float, float);
+                                            const at::BFloat16*, float, float, int64_t);
 
 }  // namespace RLX_ISA_NS
 }  // namespace rlx
@@ -176,24 +201,27 @@ std::vector<T*> data_ptrs(const at::TensorList& list) {
 
 at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t rows,
                              int64_t cols, double momentum, bool nesterov, double eps,
-                             double safety, at::ScalarType dtype) {
+                             double safety, at::ScalarType dtype, bool transposed) {
   const char* op = "rlx::muon_ns_input";
   check_list(op, "grads", grads, grads, rows * cols);
   check_list(op, "bufs", bufs, grads, rows * cols);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, op,
               ": dtype must be float32 or bfloat16, got ", dtype);
   const MatrixIndex index(grads, rows * cols);
-  at::Tensor out = at::empty({index.total(), rows, cols}, at::TensorOptions().dtype(dtype));
+  at::Tensor out = transposed
+                       ? at::empty({index.total(), cols, rows}, at::TensorOptions().dtype(dtype))
+                       : at::empty({index.total(), rows, cols}, at::TensorOptions().dtype(dtype));
+  const int64_t t_rows = transposed ? rows : 0;
   const std::vector<const float*> g = data_ptrs<const float>(grads);
   const std::vector<float*> b = data_ptrs<float>(bufs);
   if (dtype == at::kFloat) {
     RLX_ISA_CALL(muon_ns_input_rows<float>)(index, g.data(), b.data(),
                                             static_cast<float>(momentum), nesterov, eps, safety,
-                                            out.data_ptr<float>());
+                                            out.data_ptr<float>(), t_rows);
   } else {
     RLX_ISA_CALL(muon_ns_input_rows<at::BFloat16>)(index, g.data(), b.data(),
                                                    static_cast<float>(momentum), nesterov, eps,
-                                                   safety, out.data_ptr<at::BFloat16>());
+                                                   safety, out.data_ptr<at::BFloat16>(), t_rows);
   }
   return out;
 }
@@ -201,10 +229,16 @@ at::Tensor muon_ns_input_cpu(at::TensorList grads, at::TensorList bufs, int64_t 
 void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
                     double weight_decay, double scale) {
   const char* op = "rlx::muon_apply_";
-  TORCH_CHECK(ortho.dim() == 3 && ortho.device().is_cpu() && ortho.is_contiguous() &&
+  // A transposed view of a contiguous [N, cols, rows] is read as such (no copy).
+  const bool transposed = ortho.dim() == 3 && !ortho.is_contiguous() &&
+                          ortho.transpose(1, 2).is_contiguous();
+  TORCH_CHECK(ortho.dim() == 3 && ortho.device().is_cpu() &&
+                  (ortho.is_contiguous() || transposed) &&
                   (ortho.scalar_type() == at::kFloat || ortho.scalar_type() == at::kBFloat16),
-              op, ": ortho must be a contiguous float32 or bfloat16 CPU tensor [N, rows, cols],",
-              " got ", ortho.scalar_type(), " ", ortho.sizes());
+              op, ": ortho must be a float32 or bfloat16 CPU tensor [N, rows, cols], contiguous "
+              "or the transpose of a contiguous [N, cols, rows], got ", ortho.scalar_type(), " ",
+              ortho.sizes(), " strides ", ortho.strides());
+  const int64_t t_rows = transposed ? ortho.size(1) : 0;
   const int64_t size = ortho.size(1) * ortho.size(2);
   check_list(op, "params", params, params, size);
   const MatrixIndex index(params, size);
@@ -214,10 +248,11 @@ void muon_apply_cpu(at::TensorList params, const at::Tensor& ortho, double lr,
   const float step = static_cast<float>(lr * scale);
   const std::vector<float*> p = data_ptrs<float>(params);
   if (ortho.scalar_type() == at::kFloat) {
-    RLX_ISA_CALL(muon_apply_rows<float>)(index, p.data(), ortho.data_ptr<float>(), decay, step);
+    RLX_ISA_CALL(muon_apply_rows<float>)(index, p.data(), ortho.data_ptr<float>(), decay, step,
+                                         t_rows);
   } else {
     RLX_ISA_CALL(muon_apply_rows<at::BFloat16>)(index, p.data(), ortho.data_ptr<at::BFloat16>(),
-                                                decay, step);
+                                                decay, step, t_rows);
   }
 }
 

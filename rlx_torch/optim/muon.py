@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from .cpu_features import native_bf16
-from .newton_schulz import KELLER, newton_schulz, resolve_schedule
+from .newton_schulz import KELLER, iterates_wide, newton_schulz, resolve_schedule
 
 __all__ = ["Muon"]
 
@@ -382,17 +382,21 @@ class _MuonJob:
         self.scale = lr_scale(group["adjust_lr_fn"], rows, cols)
         self.counts = [matrix_view(p.shape, group["nd_mode"])[0] for p in params]
         self.fused = _fused_cpu_step(params, grads, bufs, self.lr, self.ns_dtype)
+        # Tall matrices that Newton–Schulz iterates wide (`iterates_wide`): the fused ops
+        # write X as its transpose and read the result back transposed, so no copies.
+        self.wide = self.fused and iterates_wide((rows, cols), device, self.ns_dtype)
         if self.fused:
             # The same step with its elementwise passes fused (csrc/cpu/muon_update.cpp).
             self.X = torch.ops.rlx.muon_ns_input(grads, bufs, rows, cols, momentum,
                                                  group["nesterov"], self.eps, schedule.safety,
-                                                 self.ns_dtype)
+                                                 self.ns_dtype, self.wide)
         else:
             torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
             self.X = _ns_input(grads, bufs, momentum, group["nesterov"], self.counts, rows, cols)
 
     def ortho_like(self) -> Tensor:
-        """An empty tensor of the shape and dtype `orthogonalize` returns."""
+        """An empty tensor of the shape and dtype `orthogonalize` returns (that of `X`, which
+        holds the matrices transposed where `self.wide`)."""
         return torch.empty(self.X.shape, dtype=self.ns_dtype, device=self.X.device)
 
     def orthogonalize(self) -> Tensor:
@@ -403,6 +407,7 @@ class _MuonJob:
     def apply(self, ortho: Tensor) -> None:
         self.X = None  # the NS input is no longer needed
         if self.fused:
+            ortho = ortho.mT if self.wide else ortho  # a view that muon_apply_ reads as such
             torch.ops.rlx.muon_apply_(self.params, ortho, self.lr, self.weight_decay, self.scale)
         else:
             _apply_update(self.params, ortho, self.counts, self.lr, self.weight_decay,

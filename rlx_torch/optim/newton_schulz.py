@@ -199,14 +199,37 @@ def newton_schulz(
     batch_shape = G.shape[:-2]
     G = G.reshape(-1, *G.shape[-2:])
     tall = G.size(-2) > G.size(-1)
-    if normalized:
-        if G.dtype != dtype:
-            raise ValueError(f"newton_schulz: a normalized G must be {dtype}, got {G.dtype}")
-        X = _iterate(G, schedule, tall, _Products.for_batch(G, dtype), method)
-        return X.reshape(*batch_shape, *X.shape[-2:])
-    X = _normalize(G, schedule.safety, eps, dtype)
-    X = _iterate(X, schedule, tall, _Products.for_batch(G, dtype), method)
+    if normalized and G.dtype != dtype:
+        raise ValueError(f"newton_schulz: a normalized G must be {dtype}, got {G.dtype}")
+    X = G if normalized else _normalize(G, schedule.safety, eps, dtype)
+    products = _Products.for_batch(G, dtype)
+    if tall and iterates_wide(G.shape, G.device, dtype):
+        # The contiguous wide form Xᵀ (one copy); the result is transposed back (a view).
+        X = _iterate(X.mT.contiguous(), schedule, False, products, method).mT
+    else:
+        X = _iterate(X, schedule, tall, products, method)
     return X.reshape(*batch_shape, *X.shape[-2:])
+
+
+# Whether tall bf16 CPU batches are iterated in their wide form (module-level so that
+# benchmarks and tests can run both).
+WIDE_ON_CPU = True
+
+
+def iterates_wide(shape: Sequence[int], device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether tall matrices of `shape` are iterated as their contiguous transposes.
+
+    For bf16 products through `torch.bmm` on CPU (oneDNN; AMX where present): the tall
+    form's Gram product Xᵀ·X reads X down its columns, a layout oneDNN's bf16 batched GEMM
+    runs at well under its X·Xᵀ rate; on the wide form every product is X·Xᵀ or P·X with X
+    row-major. `rlx::symmetric_matmul` reads tall operands in place, and float32 GEMMs (MKL)
+    run both layouts alike, so they keep the tall form (no transposed copies).
+
+    >>> iterates_wide((1024, 256), torch.device("cuda"), torch.bfloat16)
+    False
+    """
+    return (WIDE_ON_CPU and device.type == "cpu" and dtype == torch.bfloat16
+            and shape[-2] > shape[-1] and not symmetric_kernel_pays())
 
 
 # Matrices whose largest entry exceeds 2^40 are scaled by 2^-80 (exact: a power of two)
