@@ -3,10 +3,14 @@ rlx_torch.gated_delta_rule against fla's Triton kernels in one process, bf16 q/k
 g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_rule``) and
 per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
 taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
-and head forward, 3x that forward+backward.
+and head forward, 3x that forward+backward. For the per-head gate the chunked tensor-core
+forward (RLX_CUDA_GATED_DELTA_CHUNKED=1) is timed in the same turns; at the end, torch.profiler
+gives the CUDA time per kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
 """
 
+import itertools
 import json
+import os
 import statistics
 
 import torch
@@ -43,6 +47,44 @@ def make_inputs(B, T, H, K, V, per_channel, requires_grad):
 
 def ours(q, k, v, g, beta):
     return rlx_torch.gated_delta_rule(q, k, v, g, beta, use_qk_l2norm=True)[0]
+
+
+def chunked(q, k, v, g, beta):
+    """rlx_torch with the chunked tensor-core forward (RLX_CUDA_GATED_DELTA_CHUNKED=1)."""
+    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "1"
+    try:
+        return ours(q, k, v, g, beta)
+    finally:
+        del os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"]
+
+
+def kernel_profile(fn, B, T, H, K, V, per_channel, backward):
+    """CUDA time per kernel (microseconds per call, torch.profiler) of one call of fn."""
+    from torch.profiler import ProfilerActivity, profile
+
+    inputs = make_inputs(B, T, H, K, V, per_channel, backward)
+    grad_out = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
+
+    def once():
+        with torch.set_grad_enabled(backward):
+            out = fn(*inputs)
+            if backward:
+                out.backward(grad_out)
+
+    for _ in range(3):
+        once()
+    torch.cuda.synchronize()
+    reps = 5
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            once()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            rows.append((round(us / reps, 1), e.key[:90]))
+    return sorted(rows, reverse=True)[:12]
 
 
 def theirs(fn):
@@ -90,21 +132,33 @@ def main_cuda(args):
         for B, T, H, K, V in shapes:
             for mode, backward in (("fwd", False), ("fwd+bwd", True)):
                 inputs = make_inputs(B, T, H, K, V, gate == "channel", backward)
-                fns = [ours] + ([theirs(fla[gate])] if fla else [])
+                fns = [ours] + ([theirs(fla[gate])] if fla else []) + (
+                    [chunked] if gate == "head" else [])
                 with torch.set_grad_enabled(backward):
                     t = time_cuda(fns, inputs, backward, warmup=3, repeats=max(args.repeats, 5))
                 t_ours, t_fla = (t + [None])[:2]
+                t_chunked = t[-1] if gate == "head" else None
                 flops = 7 * K * V * B * T * H * (3 if backward else 1)
                 row = dict(gate=gate, mode=mode, B=B, T=T, H=H, K=K, V=V,
                            rlx_ms=round(t_ours, 3), fla_ms=round(t_fla, 3) if t_fla else None,
                            ratio=round(t_ours / t_fla, 2) if t_fla else None,
+                           chunked_ms=round(t_chunked, 3) if t_chunked else None,
                            rlx_tflops=round(flops / t_ours / 1e9, 2),
                            fla_tflops=round(flops / t_fla / 1e9, 2) if t_fla else None)
                 results.append(row)
                 fla_text = (f"fla {t_fla:8.3f} ms ({row['fla_tflops']:.2f} TFLOP/s)  "
                             f"rlx/fla {row['ratio']:.2f}x" if t_fla else "fla n/a")
+                token_text = f"  rlx chunked {t_chunked:8.3f} ms" if t_chunked else ""
                 print(f"{gate:7s} {mode:8s} B={B} T={T} H={H} K={K} V={V}  rlx {t_ours:8.3f} ms "
-                      f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}", flush=True)
+                      f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}{token_text}", flush=True)
                 del inputs
-    print(json.dumps({"bench": "gated_delta_rule_cuda", "device": name,
+    profiles = {}
+    for (name, fn), (mode, backward) in itertools.product(
+            (("token", ours), ("chunked", chunked)), (("fwd", False), ("fwd+bwd", True))):
+        rows = kernel_profile(fn, *SHAPES[0], False, backward)
+        profiles[f"{name} {mode}"] = rows
+        print(f"per-kernel CUDA time, {name}, head gate, {mode}, shape {SHAPES[0]} (us per call):")
+        for us, name in rows:
+            print(f"  {us:10.1f}  {name}")
+    print(json.dumps({"bench": "gated_delta_rule_cuda", "profile": profiles, "device": name,
                       "fla": fla["version"] if fla else None, "results": results}))

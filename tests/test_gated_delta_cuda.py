@@ -173,6 +173,50 @@ def test_extreme_decay_long_sequence(per_channel):
     compare(ours, cpu, 1e-4, "g = -30")
 
 
+CHUNKED_CASES = {  # per-head gate, 16-bit inputs: the chunked tensor-core forward applies
+    "K128_state": dict(B=2, T=1000, H=2, HV=2, K=128, V=128, state=True),
+    "gva_varlen": dict(B=1, T=700, H=1, HV=3, K=64, V=96, state=True,
+                       cu_seqlens=[0, 64, 64, 65, 400, 700]),
+    "odd_kv_l2norm": dict(B=1, T=200, H=2, HV=2, K=40, V=70, normalize_k=False,
+                          use_qk_l2norm=True),
+    "large_kv": dict(B=1, T=300, H=1, HV=1, K=256, V=256, state=True),
+    "chunk128": dict(B=1, T=300, H=1, HV=1, K=32, V=32, state=True, chunk_size=128),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CHUNKED_CASES)
+def test_chunked_forward_matches_token_recurrence(case, dtype, monkeypatch):
+    """The chunked forward (16-bit products, float32 state; RLX_CUDA_GATED_DELTA_CHUNKED=1)
+    against the token recurrence (float32 throughout) on the same inputs, with its checkpoints
+    feeding the backward."""
+    l2, kw = _split(CHUNKED_CASES[case])
+    chunk_size = kw.pop("chunk_size", 64)
+    inputs = to(make_inputs(dtype=dtype, **kw), CUDA)
+    cot = cotangents(inputs)
+    token = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+    chunked = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
+    compare(chunked, token, 1e-2 if dtype == torch.bfloat16 else 2e-3, f"{case}, {dtype}")
+    if kw.get("T", 0) <= 300:
+        ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
+                               l2)
+        compare(chunked, ref, TOL[dtype], f"{case}, {dtype} vs float64 reference")
+
+
+def test_chunked_forward_extreme_decay_long_sequence(monkeypatch):
+    """g = -30 per token (and 0 on every 7th), T = 65,536, bf16: exponents of cumulative gates
+    inside a chunk would overflow; differences of them do not."""
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+    inputs = make_inputs(B=1, T=65536, H=1, HV=1, K=64, V=64, state=True, dtype=torch.bfloat16)
+    inputs["g"] = torch.full_like(inputs["g"], -30.0)
+    inputs["g"][:, ::7] = 0.0
+    cot = cotangents(inputs)
+    ours = forward_backward(rlx_torch.gated_delta_rule, to(inputs, CUDA), cot)
+    cpu = forward_backward(rlx_torch.gated_delta_rule, inputs, cot)
+    compare(ours, cpu, 1e-2, "g = -30, chunked")
+
+
 def _gradcheck(inputs, use_qk_l2norm=False, chunk_size=3):
     inputs = to(inputs, CUDA, torch.float64)
     names = [n for n in GRAD_NAMES if inputs[n] is not None]
@@ -277,8 +321,11 @@ def test_noncontiguous_empty_and_cpu_cu_seqlens():
             forward_backward(rlx_torch.gated_delta_rule, on_gpu, cot), 0, "cu on cpu")
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_deterministic_bitwise(per_channel):
+@pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
+                                                     (True, False)])
+def test_deterministic_bitwise(per_channel, chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     inputs = to(make_inputs(B=2, T=300, H=2, HV=4, K=64, V=96, per_channel=per_channel,
                             state=True, dtype=torch.bfloat16), CUDA)
     cot = cotangents(inputs)
@@ -432,8 +479,11 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008,
            "dinitial_state": 0.008, "dbeta": 0.02, "dg": 0.02}
 
 
-@pytest.mark.parametrize("per_channel", [False, True])
-def test_matches_fla(per_channel):
+@pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
+                                                     (True, False)])
+def test_matches_fla(per_channel, chunked, monkeypatch):
+    if chunked:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     chunk_gdn, chunk_kda = _fla()
     if per_channel and chunk_kda is None:
         pytest.skip("this fla has no KDA kernel")

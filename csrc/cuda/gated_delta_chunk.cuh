@@ -1,0 +1,395 @@
+// Gated delta rule forward on tensor cores: the chunked (WY / UT-transform) formulation for
+// one gate per head, chunks of C = 64 tokens, float32 state and accumulation, mma.sync
+// m16n8k16 on 16-bit operands (the input dtype, bf16 or fp16).
+//
+// Within a chunk (tokens i, j = 0 .. C-1 after the chunk's start, S0 the state before it,
+// G_i the chunk-local cumulative log-gate up to and including token i) the token recurrence
+//   P_i = exp(g_i) S_{i-1},  vw_i = v_i - P_i^T k_i,  u_i = beta_i vw_i,  S_i = P_i + k_i u_i^T
+// unrolls to
+//   vw = (V - (K o e^G) S0) - L u,   L_ij = [j < i] (k_i . k_j) e^(G_i - G_j)
+// so with M = L diag(beta) and T' = (I + M)^-1 (unit lower triangular):
+//   vw = U' - W' S0,  U' = T' V,  W' = T' (K o e^G)                          (prep_kernel)
+//   S_C = e^(G_last) S0 + (K o e^(G_last - G))^T (beta o vw)                  (state_kernel)
+//   o = scale (e^G o (Q S0) + ([j <= i] (Q K^T) o e^(G_i - G_j)) u)          (output_kernel)
+// Every exponent is a difference G_i - G_j with j <= i (or G_i, G_last - G_j): never
+// positive, so any g (down to -30 per step and below) only underflows to 0.
+//
+// Shared-memory tiles are 16-bit, row-major with rows padded by 8 elements (conflict-free
+// fragment reads). An mma's A operand is read from a [m][k] tile (or a [k][m] one: frag_a_t),
+// its B operand from a [n][k] tile (B transposed): the right factors are stored transposed.
+// The intermediates (W', U', u, the chunk states) live in global buffers padded to KP and VP
+// columns (multiples of 64), so that their rows move as 16-byte vectors.
+//
+// Also compiled on the CPU by tests/cuda_emu (RLX_CUDA_EMULATION).
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+#include "codebook_mma.cuh"
+#include "gated_delta_cuda.cuh"
+
+namespace rlx::gdn::cuda {
+
+using rlx::codebook::cuda::Bits16;
+using rlx::codebook::cuda::bits_to_float;
+using rlx::codebook::cuda::float_to_bits;
+using rlx::codebook::cuda::mma_16816;
+
+constexpr int kChunk = 64;
+constexpr int kChunkWarps = 4;  // every chunk kernel runs 4 warps; warp w owns rows 16w..
+constexpr int kChunkThreads = kChunkWarps * kWarp;
+constexpr int kPad = 8;          // 16-bit elements of padding per shared-memory row
+constexpr int kOutCols = 64;     // value columns per output_kernel block
+
+// One chunk of one sequence: global token start, length (1..64), the sequence, its 64-token
+// state slot (checkpoint_base(n, bos, 64) + chunk index).
+struct ChunkEntry {
+  int64_t t0, len, n, slot;
+};
+
+// What the chunk kernels read and write ([tokens, HV, X] unless said); 16-bit values are
+// bit patterns of the input dtype.
+struct ChunkArgs {
+  Dims<float> d;
+  int KP = 0, VP = 0;            // K and V padded to multiples of 64
+  const ChunkEntry* chunks = nullptr;
+  int64_t num_chunks = 0;
+  const uint16_t *q = nullptr, *k = nullptr;  // [tokens, H, K]
+  const uint16_t* v = nullptr;
+  const float *g = nullptr, *beta = nullptr, *h0 = nullptr;
+  float* G = nullptr;            // [tokens, HV] chunk-local cumulative gate
+  uint16_t* W = nullptr;         // [tokens, HV, KP] W'
+  uint16_t* U = nullptr;         // [tokens, HV, VP] U'
+  uint16_t* u = nullptr;         // [tokens, HV, VP] beta vw
+  uint16_t* hT = nullptr;        // [slots64, HV, VP, KP] state before each chunk, transposed
+  float* vw = nullptr;           // optional, [tokens, HV, V]
+  float *ht = nullptr, *ckpt = nullptr;
+  uint16_t* out = nullptr;       // [tokens, HV, V]
+};
+
+__device__ __forceinline__ uint32_t pack2(uint16_t lo, uint16_t hi) {
+  return uint32_t(lo) | (uint32_t(hi) << 16);
+}
+__device__ __forceinline__ uint32_t word_at(const uint16_t* p) {
+  return *reinterpret_cast<const uint32_t*>(p);
+}
+
+// A fragment of rows m0.., k0.. of a [m][k] tile; B fragment of n0.., k0.. of a [n][k] tile.
+__device__ __forceinline__ void frag_a(uint32_t (&a)[4], const uint16_t* t, int ld, int m0,
+                                       int k0, int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+  a[0] = word_at(t + (m0 + g) * ld + k0 + c);
+  a[1] = word_at(t + (m0 + g + 8) * ld + k0 + c);
+  a[2] = word_at(t + (m0 + g) * ld + k0 + c + 8);
+  a[3] = word_at(t + (m0 + g + 8) * ld + k0 + c + 8);
+}
+// A fragment of rows m0.., k0.. of A = X^T, X a [k][m] tile.
+__device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const uint16_t* t, int ld, int m0,
+                                         int k0, int lane) {
+  const int g = m0 + lane / 4, c = k0 + 2 * (lane % 4);
+  a[0] = pack2(t[c * ld + g], t[(c + 1) * ld + g]);
+  a[1] = pack2(t[c * ld + g + 8], t[(c + 1) * ld + g + 8]);
+  a[2] = pack2(t[(c + 8) * ld + g], t[(c + 9) * ld + g]);
+  a[3] = pack2(t[(c + 8) * ld + g + 8], t[(c + 9) * ld + g + 8]);
+}
+__device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* t, int ld, int n0,
+                                       int k0, int lane) {
+  const int g = lane / 4, c = 2 * (lane % 4);
+  b[0] = word_at(t + (n0 + g) * ld + k0 + c);
+  b[1] = word_at(t + (n0 + g) * ld + k0 + c + 8);
+}
+
+// dst (16-bit tile, leading dim ld) <- src rows [0, rows) x cols [0, cols) (row r, column c
+// at src[r * stride + c]), times scale(r) when given; zero outside rows_ok x cols_ok.
+// Transposed: element (r, c) goes to dst[c * ld + r]. Rows move as 16-byte vectors where
+// src allows (cols_ok and stride multiples of 8, src 16-byte aligned), several loads in flight
+// per thread before their stores.
+struct NoScale {
+  __device__ __forceinline__ float operator()(int) const { return 1.f; }
+};
+template <Bits16 kind, bool kTranspose, typename Scale = NoScale>
+__device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const uint16_t* src,
+                                          int64_t stride, int rows, int cols, int rows_ok,
+                                          int cols_ok, Scale scale = Scale()) {
+  constexpr bool kScaled = !std::is_same_v<Scale, NoScale>;
+  constexpr int kBatch = 4;
+  const bool vec = cols_ok % 8 == 0 && stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0 && cols % 8 == 0;
+  if (vec) {
+    const int c8 = cols / 8, n = rows * c8;
+    for (int base = threadIdx.x; base < n; base += kBatch * blockDim.x) {
+      uint32_t buf[kBatch][4];
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int idx = base + b * blockDim.x, r = idx / c8, c = 8 * (idx % c8);
+        if (idx < n && r < rows_ok && c < cols_ok) {
+          const rlx::codebook::cuda::Bytes16 x = rlx::codebook::cuda::load16(src + r * stride + c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) buf[b][e] = x.w[e];
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) buf[b][e] = 0;
+        }
+      }
+#pragma unroll
+      for (int b = 0; b < kBatch; ++b) {
+        const int idx = base + b * blockDim.x, r = idx / c8, c = 8 * (idx % c8);
+        if (idx >= n) continue;
+        if constexpr (kScaled) {
+          const float f = r < rows_ok ? scale(r) : 0.f;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const uint16_t lo = float_to_bits<kind>(bits_to_float<kind>(uint16_t(buf[b][e])) * f);
+            const uint16_t hi = float_to_bits<kind>(bits_to_float<kind>(uint16_t(buf[b][e] >> 16)) * f);
+            buf[b][e] = pack2(lo, hi);
+          }
+        }
+        if constexpr (kTranspose) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) dst[(c + e) * ld + r] = uint16_t(buf[b][e / 2] >> (16 * (e % 2)));
+        } else {
+          uint32_t* to = reinterpret_cast<uint32_t*>(dst + r * ld + c);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) to[e] = buf[b][e];
+        }
+      }
+    }
+    return;
+  }
+  const int n = rows * cols;
+  for (int base = threadIdx.x; base < n; base += 8 * blockDim.x) {
+    uint16_t buf[8];
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const int idx = base + b * blockDim.x, r = idx / cols, c = idx % cols;
+      buf[b] = idx < n && r < rows_ok && c < cols_ok ? src[r * stride + c] : uint16_t(0);
+    }
+#pragma unroll
+    for (int b = 0; b < 8; ++b) {
+      const int idx = base + b * blockDim.x, r = idx / cols, c = idx % cols;
+      if (idx >= n) continue;
+      uint16_t bits = buf[b];
+      if constexpr (kScaled) {
+        bits = r < rows_ok ? float_to_bits<kind>(bits_to_float<kind>(bits) * scale(r)) : uint16_t(0);
+      }
+      dst[kTranspose ? c * ld + r : r * ld + c] = bits;
+    }
+  }
+}
+
+// ---- prep: G, W' and U' of one chunk and value head ---------------------------------------
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) {
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
+  const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
+  const int len = int(e.len);
+  float* sG = dynamic_smem<float>();
+  float* sBeta = sG + kChunk;
+  float* sM = sBeta + kChunk;  // [64][65] M (float32)
+  const int ldK = KP + kPad, ldC = kChunk + kPad;
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8]
+  uint16_t* sKgT = sK + kChunk * ldK;  // [KP][72] (K o e^G)^T
+  uint16_t* sVT = sKgT + KP * ldC;     // [VP][72] V^T
+  uint16_t* sT = sVT + VP * ldC;       // [64][72] T'
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    sG[i] = i < len ? A.g[(e.t0 + i) * d.HV + hv] : 0.f;
+    sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // the chunk's cumulative gate (64 adds: not worth a scan)
+    float acc = 0.f;
+    for (int i = 0; i < kChunk; ++i) sG[i] = acc += sG[i];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < len; i += blockDim.x) A.G[(e.t0 + i) * d.HV + hv] = sG[i];
+  const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
+  const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
+  load_tile<kind, false>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
+  load_tile<kind, true>(sKgT, ldC, k, qk_stride, kChunk, KP, len, d.K,
+                        [sG](int r) { return exp(sG[r]); });
+  load_tile<kind, true>(sVT, ldC, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
+                        VP, len, d.V);
+  __syncthreads();
+  // M = strictly-lower(K K^T o e^(G_i - G_j)) diag(beta); warp w: rows 16w .. 16w + 15
+  {
+    float acc[8][4] = {};
+    for (int k0 = 0; k0 < KP; k0 += 16) {
+      uint32_t a[4];
+      frag_a(a, sK, ldK, 16 * w, k0, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        if (nt > 2 * w + 1) continue;  // above the diagonal
+        uint32_t b[2];
+        frag_b(b, sK, ldK, 8 * nt, k0, lane);
+        mma_16816<kind>(acc[nt], a, b);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = 16 * w + lane / 4 + 8 * (r / 2), j = 8 * nt + 2 * (lane % 4) + (r % 2);
+        sM[i * (kChunk + 1) + j] = j < i ? acc[nt][r] * exp(sG[i] - sG[j]) * sBeta[j] : 0.f;
+      }
+    }
+  }
+  __syncthreads();
+  // T' = (I + M)^-1 by forward substitution, one column c per thread (x in registers):
+  // x_i = delta_ic - sum_{j < i} M_ij x_j (x_j = 0 for j < c).
+  if (threadIdx.x < kChunk) {
+    const int c = threadIdx.x;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float s0 = i == c ? 1.f : 0.f, s1 = 0.f;  // two partial sums: half the dependent chain
+#pragma unroll
+      for (int j = 0; j + 1 < i; j += 2) {
+        s0 -= sM[i * (kChunk + 1) + j] * x[j];
+        s1 -= sM[i * (kChunk + 1) + j + 1] * x[j + 1];
+      }
+      if (i % 2 == 1) s0 -= sM[i * (kChunk + 1) + i - 1] * x[i - 1];
+      x[i] = s0 + s1;
+    }
+    for (int i = 0; i < kChunk; ++i) sT[i * ldC + c] = float_to_bits<kind>(x[i]);
+  }
+  __syncthreads();
+  // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time, pads included
+  auto product = [&](const uint16_t* rhsT, int cols, uint16_t* dst, int64_t stride) {
+    for (int n0 = 0; n0 < cols; n0 += 64) {
+      float acc[8][4] = {};
+#pragma unroll
+      for (int k0 = 0; k0 < kChunk; k0 += 16) {
+        if (k0 > 16 * w) continue;  // T' is lower triangular
+        uint32_t a[4];
+        frag_a(a, sT, ldC, 16 * w, k0, lane);
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          uint32_t b[2];
+          frag_b(b, rhsT, ldC, n0 + 8 * nt, k0, lane);
+          mma_16816<kind>(acc[nt], a, b);
+        }
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+          const int i = 16 * w + lane / 4 + 8 * r2, c = n0 + 8 * nt + 2 * (lane % 4);
+          if (i < len) {
+            *reinterpret_cast<uint32_t*>(dst + (e.t0 + i) * stride + c) =
+                pack2(float_to_bits<kind>(acc[nt][2 * r2]), float_to_bits<kind>(acc[nt][2 * r2 + 1]));
+          }
+        }
+      }
+    }
+  };
+  product(sKgT, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
+  product(sVT, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
+}
+
+__host__ __device__ inline size_t prep_smem(int KP, int VP) {
+  return sizeof(float) * (2 * kChunk + kChunk * (kChunk + 1)) +
+         sizeof(uint16_t) * (size_t(kChunk) * (KP + kPad) + size_t(KP + VP + kChunk) *
+                                                                 (kChunk + kPad));
+}
+
+// ---- output: o of one chunk, value head and 64-column tile ---------------------------------
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A) {
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int nvt = VP / kOutCols;
+  const int vt = int(blockIdx.x % nvt), hv = int(blockIdx.x / nvt % d.HV), h = hv / d.group;
+  const ChunkEntry e = A.chunks[blockIdx.x / nvt / d.HV];
+  const int len = int(e.len), v0 = vt * kOutCols;
+  const int ldK = KP + kPad, ldC = kChunk + kPad;
+  float* sG = dynamic_smem<float>();
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(sG + kChunk);  // [64][KP+8]
+  uint16_t* sK = sQ + kChunk * ldK;                          // [64][KP+8]
+  uint16_t* sST = sK + kChunk * ldK;                         // [64][KP+8] S0^T
+  uint16_t* sUT = sST + kOutCols * ldK;                      // [64][72] u^T
+  const int64_t qk_stride = int64_t(d.H) * d.K, pv_stride = int64_t(d.HV) * VP;
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
+  }
+  load_tile<kind, false>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                         KP, len, d.K);
+  load_tile<kind, false>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                         KP, len, d.K);
+  load_tile<kind, false>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
+                         kOutCols, KP, kOutCols, KP);
+  load_tile<kind, true>(sUT, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                        kChunk, kOutCols, len, kOutCols);
+  __syncthreads();
+  const int g4 = lane / 4, t2 = 2 * (lane % 4);
+  // P = [j <= i] (Q K^T) o e^(G_i - G_j), rows 16w .. 16w + 15
+  float P[8][4] = {};
+  for (int k0 = 0; k0 < KP; k0 += 16) {
+    uint32_t a[4];
+    frag_a(a, sQ, ldK, 16 * w, k0, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      if (nt > 2 * w + 1) continue;
+      uint32_t b[2];
+      frag_b(b, sK, ldK, 8 * nt, k0, lane);
+      mma_16816<kind>(P[nt], a, b);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = 16 * w + g4 + 8 * (r / 2), j = 8 * nt + t2 + (r % 2);
+      P[nt][r] = j <= i ? P[nt][r] * exp(sG[i] - sG[j]) : 0.f;
+    }
+  float O[8][4] = {}, Y[8][4] = {};
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {  // O = P u: P's accumulators are the A fragments
+    if (kk > w) continue;
+    uint32_t a[4];
+    a[0] = pack2(float_to_bits<kind>(P[2 * kk][0]), float_to_bits<kind>(P[2 * kk][1]));
+    a[1] = pack2(float_to_bits<kind>(P[2 * kk][2]), float_to_bits<kind>(P[2 * kk][3]));
+    a[2] = pack2(float_to_bits<kind>(P[2 * kk + 1][0]), float_to_bits<kind>(P[2 * kk + 1][1]));
+    a[3] = pack2(float_to_bits<kind>(P[2 * kk + 1][2]), float_to_bits<kind>(P[2 * kk + 1][3]));
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b[2];
+      frag_b(b, sUT, ldC, 8 * nt, 16 * kk, lane);
+      mma_16816<kind>(O[nt], a, b);
+    }
+  }
+  for (int k0 = 0; k0 < KP; k0 += 16) {  // Y = Q S0
+    uint32_t a[4];
+    frag_a(a, sQ, ldK, 16 * w, k0, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      uint32_t b[2];
+      frag_b(b, sST, ldK, 8 * nt, k0, lane);
+      mma_16816<kind>(Y[nt], a, b);
+    }
+  }
+  const int64_t v_stride = int64_t(d.HV) * d.V;
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const int i = 16 * w + g4 + 8 * r2;
+    if (i >= len) continue;
+    const float eg = exp(sG[i]);
+    uint16_t* out = A.out + (e.t0 + i) * v_stride + int64_t(hv) * d.V;
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = v0 + 8 * nt + t2 + c, r = 2 * r2 + c;
+        if (col < d.V) out[col] = float_to_bits<kind>(d.scale * (eg * Y[nt][r] + O[nt][r]));
+      }
+  }
+}
+
+__host__ __device__ inline size_t output_smem(int KP) {
+  return sizeof(float) * kChunk + sizeof(uint16_t) * (size_t(2 * kChunk + kOutCols) * (KP + kPad) +
+                                                      size_t(kOutCols) * (kChunk + kPad));
+}
+
+}  // namespace rlx::gdn::cuda

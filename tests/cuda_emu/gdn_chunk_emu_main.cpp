@@ -1,0 +1,122 @@
+// Runs the chunked CUDA gated delta forward (csrc/cuda/gated_delta_chunk.cuh: prep, state and
+// output kernels, device code only) on the CPU through cuda_shim.h, bf16 products, float32
+// inputs and outputs. tests/test_gated_delta_cuda_emulator.py drives it:
+//   gdn_chunk_emu DIR B T H HV K V has_h0 chunk scale N cu_0 .. cu_N
+// reads DIR/{q,k,v,g,beta,h0}.bin (float32; h0 only with has_h0; g one per head), writes
+// DIR/{o,ht,ckpt,vw}.bin (vw when kept: rlx::gdn_keeps_vw).
+#include "cuda_shim.h"
+
+#define RLX_CUDA_EMULATION 1
+#include "gated_delta_chunk.cuh"
+#include "gated_delta_chunk_state.cuh"
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+using namespace rlx::gdn::cuda;
+
+static std::vector<float> read(const std::string& path, size_t n) {
+  std::vector<float> x(n);
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (!f || std::fread(x.data(), sizeof(float), n, f) != n) {
+    std::fprintf(stderr, "cannot read %zu floats from %s\n", n, path.c_str());
+    std::exit(2);
+  }
+  std::fclose(f);
+  return x;
+}
+
+static void write(const std::string& path, const std::vector<float>& x) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  std::fwrite(x.data(), sizeof(float), x.size(), f);
+  std::fclose(f);
+}
+
+template <int MT, int NT>
+static void run_state(const ChunkArgs& A, int64_t N) {
+  const int64_t blocks = N * A.d.HV * (A.VP / (8 * NT));
+  emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT),
+              [&] { state_kernel<Bits16::kBFloat16, MT, NT>(A); });
+}
+
+static std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
+  std::vector<uint16_t> y(x.size());
+  for (size_t i = 0; i < x.size(); ++i) y[i] = emu::float_to_bf16(x[i]);
+  return y;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 12) return 2;
+  const std::string dir = argv[1];
+  const int64_t B = std::atoll(argv[2]), T = std::atoll(argv[3]);
+  Dims<float> d;
+  d.seq_len = T;
+  d.tokens = B * T;
+  d.H = std::atoi(argv[4]);
+  d.HV = std::atoi(argv[5]);
+  d.K = std::atoi(argv[6]);
+  d.V = std::atoi(argv[7]);
+  const bool has_h0 = std::atoi(argv[8]) != 0;
+  d.chunk = std::atoll(argv[9]);
+  d.scale = float(std::atof(argv[10]));
+  d.group = d.HV / d.H;
+  const int64_t ncu = std::atoll(argv[11]);
+  std::vector<int64_t> cu;
+  for (int64_t i = 0; i < ncu; ++i) cu.push_back(std::atoll(argv[12 + i]));
+  d.cu = ncu > 0 ? cu.data() : nullptr;
+  const int64_t N = ncu > 0 ? ncu - 1 : B;
+  const int64_t tokens = d.tokens, H = d.H, HV = d.HV, K = d.K, V = d.V;
+  const size_t qk = size_t(tokens * H * K), vv = size_t(tokens * HV * V);
+  const size_t sn = size_t(N * HV * K * V);
+  auto q = read(dir + "/q.bin", qk), k = read(dir + "/k.bin", qk), v = read(dir + "/v.bin", vv);
+  auto g = read(dir + "/g.bin", size_t(tokens * HV)), beta = read(dir + "/beta.bin", size_t(tokens * HV));
+  std::vector<float> h0 = has_h0 ? read(dir + "/h0.bin", sn) : std::vector<float>();
+  std::vector<ChunkEntry> chunks;
+  for (int64_t n = 0; n < N; ++n) {
+    const int64_t bos = d.cu ? d.cu[n] : n * T, eos = d.cu ? d.cu[n + 1] : bos + T;
+    for (int64_t j = 0; bos + j * kChunk < eos; ++j) {
+      chunks.push_back({bos + j * kChunk, std::min<int64_t>(kChunk, eos - bos - j * kChunk), n,
+                        checkpoint_base(n, bos, kChunk) + j});
+    }
+  }
+  const int64_t slots = rlx::gdn_checkpoint_slots(N, tokens, d.chunk);
+  const int64_t slots64 = rlx::gdn_checkpoint_slots(N, tokens, kChunk);
+  const bool keeps_vw = rlx::gdn_keeps_vw(d.chunk, false);
+  std::vector<float> o(vv, NAN), ht(sn, NAN), ckpt(size_t(slots * HV * K * V), 0.f);
+  std::vector<float> vw(keeps_vw ? vv : 0, NAN), G(size_t(tokens * HV), NAN);
+  const int64_t KP = ceil_div(K, 64) * 64, VP = ceil_div(V, 64) * 64;
+  // intermediates start as bf16 NaN: a read of what no kernel wrote shows in the results
+  std::vector<uint16_t> W(size_t(tokens * HV * KP), 0x7fc0), U(size_t(tokens * HV * VP), 0x7fc0);
+  std::vector<uint16_t> u(size_t(tokens * HV * VP), 0x7fc0), ob(vv, 0x7fc0);
+  std::vector<uint16_t> hT(size_t(slots64 * HV * VP * KP), 0x7fc0);
+  const std::vector<uint16_t> qb = to_bf16(q), kb = to_bf16(k), vb = to_bf16(v);
+  ChunkArgs A;
+  A.d = d;
+  A.KP = int(KP);
+  A.VP = int(VP);
+  A.chunks = chunks.data();
+  A.num_chunks = int64_t(chunks.size());
+  A.q = qb.data(), A.k = kb.data(), A.v = vb.data(), A.g = g.data(), A.beta = beta.data();
+  A.h0 = has_h0 ? h0.data() : nullptr;
+  A.G = G.data(), A.W = W.data(), A.U = U.data(), A.u = u.data(), A.hT = hT.data();
+  A.vw = keeps_vw ? vw.data() : nullptr;
+  A.ht = ht.data(), A.ckpt = slots > 0 ? ckpt.data() : nullptr, A.out = ob.data();
+  const unsigned nch = unsigned(chunks.size());
+  emu::launch(nch * unsigned(HV), kChunkThreads, prep_smem(A.KP, A.VP),
+              [&] { prep_kernel<Bits16::kBFloat16>(A); });
+  const bool narrow = std::getenv("RLX_EMU_NARROW") != nullptr;  // 16-column state tiles
+  switch (A.KP / 64) {
+    case 1: narrow ? run_state<1, 2>(A, N) : run_state<1, 4>(A, N); break;
+    case 2: narrow ? run_state<2, 2>(A, N) : run_state<2, 4>(A, N); break;
+    default: std::fprintf(stderr, "K > 128 is not emulated\n"); return 2;
+  }
+  emu::launch(nch * unsigned(HV * (VP / kOutCols)), kChunkThreads, output_smem(A.KP),
+              [&] { output_kernel<Bits16::kBFloat16>(A); });
+  for (size_t i = 0; i < vv; ++i) o[i] = emu::bf16_to_float(ob[i]);
+  write(dir + "/o.bin", o);
+  write(dir + "/ht.bin", ht);
+  write(dir + "/ckpt.bin", ckpt);
+  if (keeps_vw) write(dir + "/vw.bin", vw);
+  return 0;
+}
