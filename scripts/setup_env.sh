@@ -13,7 +13,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH_SPEC"
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check \
-  "setuptools>=77" wheel ninja pybind11 numpy pytest expecttest hypothesis ruff tqdm matplotlib
+  "setuptools>=77" wheel ninja pybind11 numpy pytest pytest-xdist==3.8.0 expecttest hypothesis ruff \
+  tqdm matplotlib
 # transformers (rlx_torch.integrations, their tests, benchmarks/bench_transformers.py),
 # safetensors and aqlm (AQLM checkpoints; aqlm's CPU layer, with numba, is the tests' second
 # reference) and einops (fla's naive references, read from the fla-core wheel by

@@ -23,7 +23,9 @@ if ! { [ -e /usr/include/Block.h ] && [ -n "$(gcc -print-file-name=libobjc.so | 
   fi
 fi
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q "$@"
+# Two test processes (CI has two cores; RLX_TEST_WORKERS=0 runs them in this process), a module
+# per process so that each module-scoped build (emulators, compile checks) is made once.
+.venv/bin/python -m pytest -q -n "${RLX_TEST_WORKERS:-2}" --dist loadfile "$@"
 # clang (Apple's compiler) with -Werror.
 bash scripts/ci_clang.sh
 # The CPU kernels for arm64 (the Mac's CPU), cross-built and tested under qemu (Linux x86-64;
