@@ -24,6 +24,7 @@
 
 RLX_ISA_BEGIN
 #include "codebook_lut.h"
+#include "codebook_one_row.h"
 
 namespace rlx::codebook::cpu::RLX_ISA_NS {
 
@@ -32,6 +33,11 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
                       const acc_t* cbT, const scalar_t* scales, const scalar_t* bias,
                       out_t* out) {
   with_tile_shape(d.rows, [&](auto BT, auto JT) {
+    if constexpr (BT == 1) {
+      lut_forward_one_row<scalar_t, acc_t, out_t>(d, x, idx, cbT, scales, bias, out,
+                                                  kMinWorkItems);
+      return;
+    }
 #if RLX_ISA_AVX512
     // 32 vector registers: enough output rows at a time for 8 independent add chains of
     // 512-bit table rows (the gather is bound by the adds' latency, not by the loads).
