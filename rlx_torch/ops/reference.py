@@ -92,11 +92,14 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     for n, (b, bos, eos) in enumerate(bounds):
         S = q.new_zeros(HV, K, V) if initial_state is None else initial_state[n].to(acc)
         seq_out = []
-        for t in range(bos, eos):
-            S = S * gate[b, t].exp().unsqueeze(-1)
-            u = beta[b, t].unsqueeze(-1) * (v[b, t] - torch.einsum("hk,hkv->hv", k[b, t], S))
-            S = S + k[b, t].unsqueeze(-1) * u.unsqueeze(-2)
-            seq_out.append(torch.einsum("hk,hkv->hv", q[b, t], S))
+        # One unbind per sequence rather than an index per token: the backward of `x[b, t]`
+        # writes a zero tensor of x's whole size for every token, unbind's stacks once.
+        steps = zip(*(x[b, bos:eos].unbind(0) for x in (q, k, v, gate, beta)))
+        for q_t, k_t, v_t, g_t, beta_t in steps:
+            S = S * g_t.exp().unsqueeze(-1)
+            u = beta_t.unsqueeze(-1) * (v_t - torch.einsum("hk,hkv->hv", k_t, S))
+            S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2)
+            seq_out.append(torch.einsum("hk,hkv->hv", q_t, S))
         outs.append(torch.stack(seq_out) if seq_out else v.new_zeros(0, HV, V))
         finals.append(S)
     if cu_seqlens is None:
