@@ -11,6 +11,8 @@
 // The batch index b is innermost in L/dL, so that for a tile of BT batch rows one index byte
 // selects a contiguous BT-wide row: the gather/scatter loops are plain vector loads and adds,
 // no hardware gathers. Groups are processed in blocks sized to keep the table in L2.
+// One-row tiles (B <= 2) have their own loop order and, in the AVX2 copy, an asm gather:
+// codebook_one_row.h.
 // The dense N x K weight is never built on this path.
 //
 // Dense path, for large batches where a GEMM beats the gathers: dequantize row tiles of W and
@@ -36,16 +38,16 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
     if constexpr (BT == 1) {
       lut_forward_one_row<scalar_t, acc_t, out_t>(d, x, idx, cbT, scales, bias, out,
                                                   kMinWorkItems);
-      return;
-    }
+    } else {
 #if RLX_ISA_AVX512
-    // 32 vector registers: enough output rows at a time for 8 independent add chains of
-    // 512-bit table rows (the gather is bound by the adds' latency, not by the loads).
-    constexpr int kJT = std::max<int>(JT, 8 * kTileLanes<acc_t, BT> / BT);
+      // 32 vector registers: enough output rows at a time for 8 independent add chains of
+      // 512-bit table rows (the gather is bound by the adds' latency, not by the loads).
+      constexpr int kJT = std::max<int>(JT, 8 * kTileLanes<acc_t, BT> / BT);
 #else
-    constexpr int kJT = JT;
+      constexpr int kJT = JT;
 #endif
-    lut_forward<scalar_t, acc_t, out_t, BT, kJT>(d, x, idx, cb, cbT, scales, bias, out);
+      lut_forward<scalar_t, acc_t, out_t, BT, kJT>(d, x, idx, cb, scales, bias, out);
+    }
   });
 }
 

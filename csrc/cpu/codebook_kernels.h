@@ -34,6 +34,8 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Groups per table block: the block [groups][M][E][BT] of acc_t stays near kLutBlockBytes.
 inline int64_t groups_per_block(const Dims& d, int64_t bt, int64_t acc_size) {
   const int64_t per_group = d.num_codebooks * d.num_entries * bt * acc_size;
+  // (The forward's one-row tiles have their own blocking, codebook_one_row.h; the one-row
+  // block below is the backward's.)
   // One batch row reads 4 bytes of a table line per lookup: an L1-sized block (32 groups for
   // E = 256 float entries). Each pass over the rows then reads half of each 64-byte index
   // line, the other half comes from L2 on the next pass; with the index rows prefetched ahead

@@ -17,7 +17,6 @@
 #include <vector>
 
 #include "codebook_kernels.h"
-#include "codebook_permute_lookup.h"
 #include "vec.h"
 
 namespace rlx::codebook::cpu::RLX_ISA_NS {
@@ -92,61 +91,51 @@ void load_x_tile(const scalar_t* x, int64_t K, int64_t b0, int64_t nb, int64_t c
   }
 }
 
-// L[g][m][c][b] for the ng groups held in xT ([ng*D][BT]).
+// L[g][m][c][b] for the ng groups held in xT ([ng*D][BT]); BT > 1 (one-row tables:
+// build_one_row_tables in codebook_one_row.h).
 template <typename acc_t, int BT>
-void build_table(const Dims& d, const acc_t* cb, const acc_t* cbT, const acc_t* xT, int64_t ng,
-                 acc_t* L) {
+void build_table(const Dims& d, const acc_t* cb, const acc_t* xT, int64_t ng, acc_t* L) {
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
   for (int64_t g = 0; g < ng; ++g) {
     for (int64_t m = 0; m < M; ++m) {
       acc_t* Lgm = L + (g * M + m) * E * BT;
-      if constexpr (BT == 1) {
-        // One batch row: vectorize over the entries c with the transposed codebook [M][D][E].
-        std::fill(Lgm, Lgm + E, acc_t(0));
+      using V = TileVec<acc_t, BT>;
+      constexpr int W = kTileLanes<acc_t, BT>, NV = BT / W;
+      static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
+      // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
+      constexpr int CB = NV >= 8 ? 1 : 8 / NV;
+      int64_t c = 0;
+      for (; c + CB <= E; c += CB) {
+        const acc_t* entry = cb + (m * E + c) * D;
+        V a[CB][NV] = {};
         for (int64_t t = 0; t < D; ++t) {
-          const acc_t xv = xT[g * D + t];
-          const acc_t* ct = cbT + (m * D + t) * E;
-          for (int64_t c = 0; c < E; ++c) Lgm[c] += xv * ct[c];
-        }
-      } else {
-        using V = TileVec<acc_t, BT>;
-        constexpr int W = kTileLanes<acc_t, BT>, NV = BT / W;
-        static_assert(BT % W == 0, "batch tile must be a whole number of vectors");
-        // CB entries at once: each x vector loaded serves CB entries (8 accumulators).
-        constexpr int CB = NV >= 8 ? 1 : 8 / NV;
-        int64_t c = 0;
-        for (; c + CB <= E; c += CB) {
-          const acc_t* entry = cb + (m * E + c) * D;
-          V a[CB][NV] = {};
-          for (int64_t t = 0; t < D; ++t) {
-            const acc_t* xr = xT + (g * D + t) * BT;
-            V xv[NV];
-            RLX_UNROLL
-            for (int v = 0; v < NV; ++v) xv[v] = load_tile_vec<V>(xr + v * W);
-            RLX_UNROLL
-            for (int q = 0; q < CB; ++q) {
-              const acc_t w = entry[q * D + t];
-              RLX_UNROLL
-              for (int v = 0; v < NV; ++v) a[q][v] += w * xv[v];
-            }
-          }
+          const acc_t* xr = xT + (g * D + t) * BT;
+          V xv[NV];
           RLX_UNROLL
-          for (int q = 0; q < CB; ++q)
-            RLX_UNROLL
-            for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
-        }
-        for (; c < E; ++c) {
-          const acc_t* entry = cb + (m * E + c) * D;
-          V a[NV] = {};
-          for (int64_t t = 0; t < D; ++t) {
-            const acc_t w = entry[t];
-            const acc_t* xr = xT + (g * D + t) * BT;
-            RLX_UNROLL
-            for (int v = 0; v < NV; ++v) a[v] += w * load_tile_vec<V>(xr + v * W);
-          }
+          for (int v = 0; v < NV; ++v) xv[v] = load_tile_vec<V>(xr + v * W);
           RLX_UNROLL
-          for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + c * BT + v * W, a[v]);
+          for (int q = 0; q < CB; ++q) {
+            const acc_t w = entry[q * D + t];
+            RLX_UNROLL
+            for (int v = 0; v < NV; ++v) a[q][v] += w * xv[v];
+          }
         }
+        RLX_UNROLL
+        for (int q = 0; q < CB; ++q)
+          RLX_UNROLL
+          for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + (c + q) * BT + v * W, a[q][v]);
+      }
+      for (; c < E; ++c) {
+        const acc_t* entry = cb + (m * E + c) * D;
+        V a[NV] = {};
+        for (int64_t t = 0; t < D; ++t) {
+          const acc_t w = entry[t];
+          const acc_t* xr = xT + (g * D + t) * BT;
+          RLX_UNROLL
+          for (int v = 0; v < NV; ++v) a[v] += w * load_tile_vec<V>(xr + v * W);
+        }
+        RLX_UNROLL
+        for (int v = 0; v < NV; ++v) store_tile_vec(Lgm + c * BT + v * W, a[v]);
       }
     }
   }
@@ -268,9 +257,11 @@ inline int64_t group_chunks(int64_t num_tiles, int64_t num_blocks) {
 }
 
 // out[b, j] = s_j * raw[b, j] + bias_j (scales/bias may be null), out_t is scalar_t or acc_t.
+// Tiles of BT > 1 rows (one-row tiles: lut_forward_one_row, codebook_one_row.h).
 template <typename scalar_t, typename acc_t, typename out_t, int BT, int JT>
 void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
-                 const acc_t* cbT, const scalar_t* scales, const scalar_t* bias, out_t* out) {
+                 const scalar_t* scales, const scalar_t* bias, out_t* out) {
+  static_assert(BT > 1, "one-row tiles take lut_forward_one_row");
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, D = d.entry_dim;
   const int64_t M = d.num_codebooks, E = d.num_entries;
   if (B == 0 || N == 0) return;
@@ -310,15 +301,8 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
       for (int64_t g0 = g_begin; g0 < g_end; g0 += gpb) {
         const int64_t ng = std::min(gpb, g_end - g0);
         load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
-        build_table<acc_t, BT>(d, cb, cbT, xT.data(), ng, L.data());
-#if RLX_ISA_AVX512
-        if constexpr (BT == 1 && std::is_same_v<acc_t, float>) {
-          gather_one_row_permute(d, idx, L.data(), g0, ng, 0, N, acc);
-        } else
-#endif
-        {
-          gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
-        }
+        build_table<acc_t, BT>(d, cb, xT.data(), ng, L.data());
+        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
       }
       if (chunks == 1) {
         write_out(acc, b0, nb, 0, N);

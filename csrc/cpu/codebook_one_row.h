@@ -41,6 +41,7 @@
 
 #include "codebook_kernels.h"
 #include "codebook_permute_lookup.h"
+#include "vec.h"
 
 #if RLX_ISA_AVX && !RLX_ISA_AVX512 && defined(__x86_64__) && \
     (defined(__GNUC__) || defined(__clang__))
@@ -91,33 +92,35 @@ struct OneRowBuffer {
 
 // L[s][c] (stride S floats) = x[g*D:(g+1)*D] . C[m, c] for the ns = ng*M steps of groups
 // [g0, g0 + ng), s = (g - g0)*M + m, entries c < E (the rest of a stride-256 row is never
-// read: codes are < E, check_index_range). 64 entries at a time stay in registers over t.
+// read: codes are < E, check_index_range). NV vectors of entries stay in registers over t
+// (a plain array of them went through the stack: the build took 1/6 of the call).
 template <typename scalar_t, typename acc_t>
 void build_one_row_tables(const Dims& d, const acc_t* cbT, const scalar_t* xrow, int64_t g0,
                           int64_t ng, int64_t S, acc_t* L) {
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
-  constexpr int64_t CW = 64;
+  using V = SimdVec<acc_t>;
+  constexpr int W = kVecLanes<acc_t>, NV = 8;
   for (int64_t g = 0; g < ng; ++g) {
     const scalar_t* xg = xrow + (g0 + g) * D;
     for (int64_t m = 0; m < M; ++m) {
       acc_t* Ls = L + (g * M + m) * S;
+      const acc_t* cm = cbT + m * D * E;
       int64_t c0 = 0;
-      for (; c0 + CW <= E; c0 += CW) {
-        acc_t a[CW] = {};
+      for (; c0 + NV * W <= E; c0 += NV * W) {
+        V a[NV] = {};
         for (int64_t t = 0; t < D; ++t) {
           const acc_t xv = static_cast<acc_t>(xg[t]);
-          const acc_t* ct = cbT + (m * D + t) * E + c0;
           RLX_UNROLL
-          for (int c = 0; c < CW; ++c) a[c] += xv * ct[c];
+          for (int v = 0; v < NV; ++v) a[v] += xv * load_vec(cm + t * E + c0 + v * W);
         }
-        std::memcpy(Ls + c0, a, sizeof(a));
+        RLX_UNROLL
+        for (int v = 0; v < NV; ++v) store_vec(Ls + c0 + v * W, a[v]);
       }
       if (c0 < E) {
         std::fill(Ls + c0, Ls + E, acc_t(0));
         for (int64_t t = 0; t < D; ++t) {
           const acc_t xv = static_cast<acc_t>(xg[t]);
-          const acc_t* ct = cbT + (m * D + t) * E;
-          for (int64_t c = c0; c < E; ++c) Ls[c] += xv * ct[c];
+          for (int64_t c = c0; c < E; ++c) Ls[c] += xv * cm[t * E + c];
         }
       }
     }
@@ -148,25 +151,31 @@ inline void add_8_lookups(const uint8_t* codes, const float* T, float& a) {
 static_assert(kAsmStride == 256, "add_8_lookups' displacements are k * 256 floats");
 
 // acc[j - j0] += sum_{s < ns} L[s][ip_j[s]] for j in [j0, j1), ip_j = idx + j*row_stride + s0:
-// blocks of 8 steps through add_8_lookups, 4 rows at a time (independent add chains).
-inline void gather_one_row_asm(const uint8_t* idx, int64_t row_stride, int64_t s0, int64_t ns,
-                               const float* L, int64_t j0, int64_t j1, float* acc) {
-  constexpr int JT = 4;
+// blocks of 8 steps through add_8_lookups, one row after another (out-of-order execution
+// overlaps the rows' add chains; accumulators in a local array made GCC pack pairs of them
+// into general registers and move them in and out of xmm around every asm block).
+// The first block prefetches the index lines kOneRowAhead rows ahead (up to row j_end): after
+// a large GEMM they come from DRAM, at a stride the hardware prefetcher does not cover.
+inline constexpr int64_t kOneRowAhead = 64;
+RLX_NO_SLP inline void gather_one_row_asm(const uint8_t* idx, int64_t row_stride, int64_t s0,
+                                          int64_t ns, const float* L, int64_t j0, int64_t j1,
+                                          int64_t j_end, float* acc) {
+  const int64_t n = j1 - j0;
+  const int64_t ahead = std::clamp<int64_t>(j_end - j0 - kOneRowAhead, 0, n);
   int64_t s = 0;
   for (; s + 8 <= ns; s += 8) {
     const float* T = L + s * kAsmStride;
     const uint8_t* ip = idx + j0 * row_stride + s0 + s;
     int64_t j = 0;
-    const int64_t n = j1 - j0;
-    for (; j + JT <= n; j += JT) {
-      float a[JT];
-      RLX_UNROLL
-      for (int q = 0; q < JT; ++q) a[q] = acc[j + q];
-      RLX_UNROLL
-      for (int q = 0; q < JT; ++q) add_8_lookups(ip + (j + q) * row_stride, T, a[q]);
-      RLX_UNROLL
-      for (int q = 0; q < JT; ++q) acc[j + q] = a[q];
+    if (s == 0) {
+      for (; j < ahead; ++j) {
+        const uint8_t* r = ip + (j + kOneRowAhead) * row_stride;
+        __builtin_prefetch(r);
+        __builtin_prefetch(r + ns - 1);
+        add_8_lookups(ip + j * row_stride, T, acc[j]);
+      }
     }
+    RLX_UNROLL
     for (; j < n; ++j) add_8_lookups(ip + j * row_stride, T, acc[j]);
   }
   if (s < ns) {  // the last < 8 steps
@@ -226,7 +235,7 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx,
         const int64_t r1 = std::min(j1, r0 + kOneRowChunkRows);
         acc_t* a = acc + (r0 - j0);
         if constexpr (kAsm) {
-          gather_one_row_asm(idx, row_stride, g0 * M, ng * M, L, r0, r1, a);
+          gather_one_row_asm(idx, row_stride, g0 * M, ng * M, L, r0, r1, j1, a);
         } else {
 #if RLX_ISA_AVX512
           if constexpr (std::is_same_v<acc_t, float>) {

@@ -16,8 +16,8 @@
 // ignore the bytes above it.
 //
 // Accumulation order: for each output row, the sum runs over the steps in order, starting
-// from acc, exactly as gather_block's one-row path does; the tables come from the same
-// build_table. The copies then agree bit for bit where their tables do.
+// from acc, as the other copies' one-row gathers do (codebook_one_row.h, which calls this
+// with its tables, stride E, per 512-row chunk of a 64-step work item).
 #pragma once
 
 #include <rlx/codebook.h>
@@ -103,7 +103,7 @@ inline void transpose_codes(const uint8_t* const* rows, int n, __m512i* out) {
 }
 
 // acc[j - j0] += sum_{s < ng*M} L[s][idx[j, g0*M + s]] for j in [j0, j1), one batch row (the
-// tables L: [ng*M][E] floats, as build_table writes them for BT = 1).
+// tables L: [ng*M][E] floats, as build_one_row_tables writes them with stride E).
 template <bool kFull>
 void gather_one_row_permute_impl(const Dims& d, const uint8_t* idx, const float* L, int64_t g0,
                                  int64_t ng, int64_t j0, int64_t j1, float* acc) {
