@@ -36,7 +36,7 @@ void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, cons
                       out_t* out) {
   with_tile_shape(d.rows, [&](auto BT, auto JT) {
     if constexpr (BT == 1) {
-      lut_forward_one_row<scalar_t, acc_t, out_t>(d, x, idx, cbT, scales, bias, out,
+      lut_forward_one_row<scalar_t, acc_t, out_t>(d, x, idx, cb, scales, bias, out,
                                                   kMinWorkItems);
     } else {
 #if RLX_ISA_AVX512
@@ -98,13 +98,16 @@ at::Tensor forward_u8(const at::Tensor& x, const at::Tensor& indices, const at::
   }
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
-  auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
+  // (A 2-d contiguous x as it is: at one row the host code's torch calls are a visible part
+  // of the call, most of all right after a large GEMM has evicted their code and data.)
+  auto x2d = x.dim() == 2 && x.is_contiguous() ? x : x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
   auto s = scales.has_value() ? scales->contiguous() : at::Tensor();
   auto bs = bias.has_value() ? bias->contiguous() : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "codebook_matmul", [&] {
     using acc_t = acc_type_t<scalar_t>;
-    const CodebookAcc<acc_t> C(codebook, d);
+    // One-row tiles transpose the codebook themselves (lut_forward_one_row).
+    const CodebookAcc<acc_t> C(codebook, d, /*transposed=*/tile_rows(d.rows) > 1);
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     const scalar_t* bp = bs.defined() ? bs.data_ptr<scalar_t>() : nullptr;
     if (use_dense(d)) {
@@ -115,7 +118,8 @@ at::Tensor forward_u8(const at::Tensor& x, const at::Tensor& indices, const at::
       return;
     }
     RLX_ISA_CALL_AVX512(lut_forward_rows<scalar_t, acc_t, scalar_t>)(
-        d, x2d.data_ptr<scalar_t>(), idx.data_ptr<uint8_t>(), C.data(), C.dataT(), sp, bp,
+        d, x2d.data_ptr<scalar_t>(), idx.data_ptr<uint8_t>(), C.data(),
+        C.cbT.defined() ? C.dataT() : nullptr, sp, bp,
         out.data_ptr<scalar_t>());
   });
   return out;

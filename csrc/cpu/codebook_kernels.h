@@ -91,7 +91,8 @@ inline int64_t dense_tile_rows(const Dims& d, int64_t acc_size) {
 RLX_ISA_DECLARE(
     // The lookup-table forward (codebook.cpp) for B = d.rows rows, in the tile shape
     // with_tile_shape picks: out[b, j] = s_j * raw[b, j] + bias_j (scales, bias may be null;
-    // out_t is scalar_t, or acc_t for raw sums). cb: [M][E][D] in acc_t, cbT: [M][D][E].
+    // out_t is scalar_t, or acc_t for raw sums). cb: [M][E][D] in acc_t, cbT: [M][D][E]
+    // (unread, and may be null, for one-row tiles: tile_rows(B) == 1).
     template <typename scalar_t, typename acc_t, typename out_t>
     void lut_forward_rows(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
                           const acc_t* cbT, const scalar_t* scales, const scalar_t* bias,

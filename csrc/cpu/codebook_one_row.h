@@ -191,12 +191,20 @@ RLX_NO_SLP inline void gather_one_row_asm(const uint8_t* idx, int64_t row_stride
 
 // The lookup-table forward for tiles of one batch row: out[b, j] = s_j * raw[b, j] + bias_j.
 template <typename scalar_t, typename acc_t, typename out_t>
-void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx,
-                         const acc_t* cbT, const scalar_t* scales, const scalar_t* bias,
-                         out_t* out, int64_t min_items) {
+// cb: [M][E][D]; the tables' loop wants it as [M][D][E], transposed here into a kept buffer
+// (M*E*D <= a few thousand values) rather than by a torch copy in the host code.
+void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
+                         const scalar_t* scales, const scalar_t* bias, out_t* out,
+                         int64_t min_items) {
   const int64_t B = d.rows, N = d.out_features, K = d.in_features, M = d.num_codebooks;
-  const int64_t E = d.num_entries, row_stride = d.groups * M;
+  const int64_t E = d.num_entries, D = d.entry_dim, row_stride = d.groups * M;
   if (B == 0 || N == 0) return;
+  thread_local LineVector<acc_t> kept_cbT;
+  OneRowBuffer<acc_t> cbT_buf;
+  acc_t* cbT = cbT_buf.get(kept_cbT, M * D * E);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t c = 0; c < E; ++c)
+      for (int64_t t = 0; t < D; ++t) cbT[(m * D + t) * E + c] = cb[(m * E + c) * D + t];
   constexpr bool kAsm = RLX_ONE_ROW_ASM && std::is_same_v<acc_t, float>;
   const int64_t S = kAsm ? kAsmStride : E;
   const OneRowPlan p = one_row_plan(d, min_items);
