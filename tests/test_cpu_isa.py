@@ -148,6 +148,17 @@ KERNELS = textwrap.dedent("""
                 cb = torch.randn(M, entries, D).to(dt)
                 out[f"codebook_lut_{dt}_{rows}_{entries}"] = ops.codebook_matmul(
                     x, idx, cb, torch.rand(N).to(dt), None)
+        # the one-row forward (codebook_one_row.h) past its 512-row chunks, with several
+        # 64-step work items, 8-step blocks and their < 8-step tails: the AVX2 copy's asm
+        # gather, the AVX-512 copy's permutes and the baseline's scalar loop
+        for rows in (1, 2):
+            for entries, M in ((256, 1), (100, 3)):
+                N, Kin, D = 1030, 133 * 4, 4
+                x = torch.randn(rows, Kin).to(dt)
+                idx = torch.randint(0, entries, (N, Kin // D, M), dtype=torch.uint8)
+                cb = torch.randn(M, entries, D).to(dt)
+                out[f"codebook_one_row_{dt}_{rows}_{entries}"] = ops.codebook_matmul(
+                    x, idx, cb, torch.rand(N).to(dt), torch.randn(N).to(dt))
     grads = [torch.randn(6, 10), torch.randn(6, 10)]
     bufs = [torch.randn(6, 10), torch.randn(6, 10)]
     x = ops.muon_ns_input(grads, bufs, 6, 10, 0.95, True, 1e-7, 1.0, torch.float32)
