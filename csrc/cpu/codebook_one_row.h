@@ -40,6 +40,7 @@
 #include <type_traits>
 
 #include "codebook_kernels.h"
+#include "codebook_lut.h"  // LineVector, RLX_UNROLL, RLX_NO_SLP, gather_block
 #include "codebook_permute_lookup.h"
 #include "vec.h"
 
