@@ -12,7 +12,9 @@
 //   dA = (dM o beta_j) o e^(G_i - G_j),  dbeta_j += sum_i dM_ij L_ij
 // and dg the reverse cumulative sum, within the chunk, of the gradient of G (the terms each
 // e^(G_i - G_j) or e^G_i factor contributes). Every exponent is a difference G_i - G_j with
-// j <= i, or G_i, or G_last - G_j, as in the forward.
+// j <= i, or G_i, or G_last - G_j, as in the forward; past a chunk's last token G is padded
+// with G_last rather than 0, so that e^(G_i - G_j) of a padding row stays <= 1 (with 0 it
+// overflows under strong decay, and 0 x inf is NaN).
 //
 // Kernels, in launch order after the re-run forward:
 //   dv_local_kernel  chunk parallel: scale P^T dO (float32)
@@ -73,7 +75,7 @@ __global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdA
   uint16_t* sP = sDo + kChunk * ldC;                         // [64][72] P (i, j)
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-    sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
   }
   load_tile<kind, false>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
                          KP, len, d.K);
@@ -158,7 +160,7 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
     const int len = int(min(int64_t(kChunk), eos - t0));
     __syncthreads();  // the previous chunk's readers are done
     for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-      sG[i] = i < len ? A.G[(t0 + i) * d.HV + hv] : 0.f;
+      sG[i] = A.G[(t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
       sBeta[i] = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
     }
     uint16_t* dS_out = B.dS + ((base64 + j) * d.HV + hv) * int64_t(KP) * VP + v0;

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-    sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
   }
   float dQi[8][4] = {}, dWp[8][4] = {}, dHU[8][4] = {}, hs = 0.f;
   const uint16_t* S0 = A.hT + (e.slot * d.HV + hv) * int64_t(VP) * KP;
@@ -148,7 +148,7 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
   const uint16_t* dW = B.dW + e.t0 * pk_stride + int64_t(hv) * KP;
   const uint16_t* dvw = B.dvw + e.t0 * pv_stride + int64_t(hv) * VP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-    sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
   }
   load_tile<kind, false>(sT, ld, A.Tinv + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
