@@ -215,7 +215,9 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1):
             _write(str(tmp_path / f"{name}.bin"), t)
     args = [exe, str(tmp_path), B, T, H, HV, K, V, int(h0 is not None), int(dht is not None), 0.3,
             len(c["cu"] or [])] + list(c["cu"] or [])
-    env = dict(os.environ, **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+    # warps one at a time between barriers (cuda_shim.h): a missing barrier shows
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
