@@ -70,7 +70,8 @@ def test_emulated_cuda_kernels_match_cpu(case, real, emulator, tmp_path):
             _write(str(tmp_path / f"{name}.bin"), t)
     args = [emulator, str(tmp_path), B, T, H, HV, K, V, int(c["per_channel"]),
             int(h0 is not None), chunk, scale, len(c["cu"] or [])] + list(c["cu"] or [])
-    env = dict(os.environ, **({"RLX_EMU_DOUBLE": "1"} if real == "float64" else {}))
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",  # a missing barrier shows (cuda_shim.h)
+               **({"RLX_EMU_DOUBLE": "1"} if real == "float64" else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -136,7 +137,8 @@ def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
             _write(str(tmp_path / f"{name}.bin"), t)
     args = [chunk_emulator, str(tmp_path), B, T, H, HV, K, V, int(h0 is not None), chunk, scale,
             len(c["cu"] or [])] + list(c["cu"] or [])
-    env = dict(os.environ, **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",  # a missing barrier shows (cuda_shim.h)
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
