@@ -187,9 +187,9 @@ CHUNKED_CASES = {  # per-head gate, 16-bit inputs: the chunked tensor-core forwa
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CHUNKED_CASES)
 def test_chunked_forward_matches_token_recurrence(case, dtype, monkeypatch):
-    """The chunked forward (16-bit products, float32 state; RLX_CUDA_GATED_DELTA_CHUNKED=1)
-    against the token recurrence (float32 throughout) on the same inputs, with its checkpoints
-    feeding the backward."""
+    """The chunked forward and backward (16-bit products, float32 state;
+    RLX_CUDA_GATED_DELTA_CHUNKED=1) against the token recurrence (float32 throughout) on the
+    same inputs."""
     l2, kw = _split(CHUNKED_CASES[case])
     chunk_size = kw.pop("chunk_size", 64)
     inputs = to(make_inputs(dtype=dtype, **kw), CUDA)

@@ -70,7 +70,8 @@ def test_emulated_cuda_kernels_match_cpu(case, real, emulator, tmp_path):
             _write(str(tmp_path / f"{name}.bin"), t)
     args = [emulator, str(tmp_path), B, T, H, HV, K, V, int(c["per_channel"]),
             int(h0 is not None), chunk, scale, len(c["cu"] or [])] + list(c["cu"] or [])
-    env = dict(os.environ, **({"RLX_EMU_DOUBLE": "1"} if real == "float64" else {}))
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",  # a missing barrier shows (cuda_shim.h)
+               **({"RLX_EMU_DOUBLE": "1"} if real == "float64" else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -136,7 +137,8 @@ def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
             _write(str(tmp_path / f"{name}.bin"), t)
     args = [chunk_emulator, str(tmp_path), B, T, H, HV, K, V, int(h0 is not None), chunk, scale,
             len(c["cu"] or [])] + list(c["cu"] or [])
-    env = dict(os.environ, **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",  # a missing barrier shows (cuda_shim.h)
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -152,3 +154,115 @@ def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
             got = got[:-1]
         assert torch.isfinite(got).all(), f"{case}: {name} not finite"
         assert _rel_rms(got, want) < 1e-2, f"{case}: {name} rel rms {_rel_rms(got, want)}"
+
+
+@pytest.fixture(scope="module")
+def chunk_bwd_emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu_chunk_bwd"), "gdn_chunk_bwd_emu_main")
+
+
+def _recurrence_f64(q, k, v, g, beta, h0, scale, bounds):
+    """The gated delta rule token by token in float64 (DESIGN.md's equations), differentiable:
+    q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV], h0 [N, HV, K, V] or None."""
+    H, K, HV, V = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
+    rows, finals = {}, []
+    for n in range(len(bounds) - 1):
+        heads = []
+        for hv in range(HV):
+            S = h0[n, hv] if h0 is not None else q.new_zeros(K, V)
+            for t in range(bounds[n], bounds[n + 1]):
+                kt = k[t, hv // (HV // H)]
+                S = torch.exp(g[t, hv]) * S
+                S = S + torch.outer(kt, beta[t, hv] * (v[t, hv] - S.T @ kt))
+                rows[t, hv] = scale * S.T @ q[t, hv // (HV // H)]
+            heads.append(S)
+        finals.append(torch.stack(heads))
+    o = torch.stack([torch.stack([rows[t, hv] for hv in range(HV)]) for t in range(q.shape[0])])
+    return o, torch.stack(finals)
+
+
+CHUNK_BWD_CASES = {
+    "T20": dict(B=1, T=20, H=1, HV=1, K=8, V=8, state=True),
+    "T64_no_dht": dict(B=1, T=64, H=1, HV=1, K=8, V=8, state=True, dht=False),
+    "T65_gva_state": dict(B=2, T=65, H=1, HV=2, K=8, V=8, state=True),
+    "T130_ragged_k_v": dict(B=1, T=130, H=1, HV=1, K=42, V=41),
+    "gva_varlen_empty": dict(B=1, T=150, H=1, HV=2, K=16, V=24, state=True, cu=[0, 64, 64, 150]),
+    "two_k_and_v_tiles": dict(B=1, T=70, H=1, HV=1, K=72, V=80, state=True),
+    "K72_narrow": dict(B=1, T=70, H=1, HV=1, K=72, V=20, state=True, narrow=True),
+    "strong_decay_varlen": dict(B=1, T=200, H=1, HV=1, K=8, V=8, state=True, g_scale=30.0,
+                                cu=[0, 30, 30, 200]),
+    "T1_batch": dict(B=4, T=1, H=1, HV=1, K=4, V=4, state=True),
+}
+
+
+def _run_chunk_bwd(exe, c, tmp_path, seed=1):
+    B, T, H, HV, K, V = (c[n] for n in ("B", "T", "H", "HV", "K", "V"))
+    gen = torch.Generator().manual_seed(seed)
+    bf = lambda t: t.bfloat16().float()  # noqa: E731
+    tokens = B * T
+    q = bf(torch.randn(tokens, H, K, generator=gen))
+    k = bf(F.normalize(torch.randn(tokens, H, K, generator=gen), dim=-1))
+    v = bf(torch.randn(tokens, HV, V, generator=gen))
+    g = F.logsigmoid(torch.randn(tokens, HV, generator=gen) + 2.0)
+    if c["g_scale"] is not None:  # down to -g_scale per step: exp of cumsums would overflow
+        g = -c["g_scale"] * torch.rand(tokens, HV, generator=gen)
+    beta = torch.rand(tokens, HV, generator=gen)
+    bounds = c["cu"] or [n * T for n in range(B + 1)]
+    N = len(bounds) - 1
+    h0 = torch.randn(N, HV, K, V, generator=gen) if c["state"] else None
+    do = bf(torch.randn(tokens, HV, V, generator=gen))
+    dht = torch.randn(N, HV, K, V, generator=gen) if c["dht"] else None
+    for name, t in dict(q=q, k=k, v=v, g=g, beta=beta, do=do, h0=h0, dht=dht).items():
+        if t is not None:
+            _write(str(tmp_path / f"{name}.bin"), t)
+    args = [exe, str(tmp_path), B, T, H, HV, K, V, int(h0 is not None), int(dht is not None), 0.3,
+            len(c["cu"] or [])] + list(c["cu"] or [])
+    # warps one at a time between barriers (cuda_shim.h): a missing barrier shows
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, dht=dht, bounds=bounds)
+    shapes = dict(dq=q.shape, dk=k.shape, dv=v.shape, dg=g.shape, dbeta=beta.shape)
+    if h0 is not None:
+        shapes["dh0"] = h0.shape
+    return inputs, {n: _read(str(tmp_path / f"{n}.bin"), s) for n, s in shapes.items()}
+
+
+def _chunk_bwd_case(case):
+    c = dict(state=False, dht=True, cu=None, narrow=False, g_scale=None)
+    c.update(CHUNK_BWD_CASES[case])
+    return c
+
+
+@pytest.mark.parametrize("case", list(CHUNK_BWD_CASES))
+def test_emulated_chunked_backward_matches_float64(case, chunk_bwd_emulator, tmp_path):
+    """The chunked backward (its kernels after the re-run prep and state kernels; bf16 products
+    as on the GPU for bf16 inputs) against autograd through a float64 token recurrence of the
+    same bf16-rounded inputs: every gradient, with an initial state dh0."""
+    x, got = _run_chunk_bwd(chunk_bwd_emulator, _chunk_bwd_case(case), tmp_path)
+    leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    if x["h0"] is not None:
+        leaves["h0"] = x["h0"].double().requires_grad_()
+    o, ht = _recurrence_f64(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), leaves.get("h0"),
+                            0.3, x["bounds"])
+    loss = (o * x["do"].double()).sum()
+    if x["dht"] is not None:
+        loss = loss + (ht * x["dht"].double()).sum()
+    want = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+    for name, w in want.items():
+        gname = "d" + name
+        assert torch.isfinite(got[gname]).all(), f"{case}: {gname} not finite"
+        err = _rel_rms(got[gname], w)
+        assert err < 2e-2, f"{case}: {gname} rel rms {err}"
+
+
+def test_emulated_chunked_backward_is_deterministic(chunk_bwd_emulator, tmp_path):
+    c = _chunk_bwd_case("gva_varlen_empty")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, first = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "a")
+    _, second = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "b")
+    for name in first:
+        assert torch.equal(first[name], second[name]), name

@@ -1,11 +1,14 @@
-// rlx::gated_delta_bwd on CUDA (the formulation: gated_delta_cuda.cuh). Writes the packed
-// gradient buffer of gdn_backward_layout.h from the forward's checkpoints.
+// rlx::gated_delta_bwd on CUDA: the chunked tensor-core formulation (gated_delta_chunk_bwd.cuh)
+// where it applies (chunked_applies: opt-in), else the token recurrence (gated_delta_cuda.cuh).
+// Writes the packed gradient buffer of gdn_backward_layout.h.
 #ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 #endif
 
+#include "gated_delta_chunk_bwd_grads.cuh"
+#include "gated_delta_chunk_host.cuh"
 #include "gated_delta_cuda.cuh"
 
 namespace rlx::gdn::cuda {
@@ -170,6 +173,81 @@ void launch_backward(const BwdArgs<qk_t, v_t, acc_t>& A, int64_t blocks, cudaStr
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <Bits16 kind, int MT, int NT>
+void launch_dh(const ChunkBwdArgs& B, int64_t num_seqs, cudaStream_t stream) {
+  const int64_t blocks = num_seqs * B.f.d.HV * (B.f.VP / (8 * NT));
+  if (blocks == 0) return;
+  const size_t smem = dh_smem(64 * MT, 8 * NT);
+  auto kernel = dh_kernel<kind, MT, NT>;
+  allow_shared_memory(kernel, smem);
+  kernel<<<dim3(unsigned(blocks)), dim3(kChunkThreads), smem, stream>>>(B);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename Kernel>
+void launch_chunk_parallel(Kernel kernel, int64_t blocks, size_t smem, const ChunkBwdArgs& B,
+                           cudaStream_t stream) {
+  if (blocks == 0) return;
+  allow_shared_memory(kernel, smem);
+  kernel<<<dim3(unsigned(blocks)), dim3(kChunkThreads), smem, stream>>>(B);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The chunked backward (gated_delta_chunk_bwd.cuh): the forward's prep and state kernels re-run
+// for G, W', T', u and the chunk states, then dv_local, dh, dqk and wy. dv, dg, dbeta and dh0
+// go straight into the packed buffer; dq and dk per value head into dq_hv, dk_hv.
+template <Bits16 kind>
+void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, const at::Tensor& q,
+                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                      const at::Tensor& beta, const std::optional<at::Tensor>& h0,
+                      const at::Tensor& dout, const std::optional<at::Tensor>& dht,
+                      const at::Tensor& vw, const GdnBackwardLayout& layout, at::Tensor& packed,
+                      at::Tensor& dq_hv, at::Tensor& dk_hv, cudaStream_t stream) {
+  const int64_t N = p.num_seqs, HV = p.num_v_heads, tokens = p.tokens();
+  ChunkBwdArgs B;
+  ChunkArgs& A = B.f;
+  const ChunkPlan plan = plan_chunks(p, cu, scale, q, k, v, g, beta, h0, A);
+  const int64_t KP = A.KP, VP = A.VP, chunks = plan.chunks;
+  const auto f32 = q.options().dtype(at::kFloat);
+  const at::Tensor Tinv = at::empty({tokens, HV, kChunk}, v.options());
+  A.Tinv = bits_of(Tinv);  // (no ht, checkpoints or vw: the forward has them)
+  launch_prep_and_state<kind>(A, N, stream);
+  const bool narrow = narrow_state_tiles(N, HV, VP);
+  const at::Tensor duL = at::empty({tokens, HV, VP}, f32);
+  const at::Tensor dvw = at::empty({tokens, HV, VP}, v.options());
+  const at::Tensor dS = at::empty(plan.hT.sizes(), v.options());  // [slots64, HV, KP, VP]
+  const at::Tensor dW = at::empty({tokens, HV, KP}, v.options());
+  B.dbeta_tiles = int(VP / (narrow ? 16 : 32));
+  const at::Tensor dbeta_part = at::empty({B.dbeta_tiles, tokens, HV}, f32);
+  const at::Tensor dg_part = at::empty({KP / kBwdTile, tokens, HV}, f32);
+  B.dout = bits_of(dout);
+  B.dht = data_or_null<float>(dht);
+  B.vw = vw.data_ptr<float>();
+  B.duL = duL.data_ptr<float>();
+  B.dvw = bits_of(dvw);
+  B.dS = bits_of(dS);
+  B.dW = bits_of(dW);
+  B.dbeta_part = dbeta_part.data_ptr<float>();
+  B.dg_part = dg_part.data_ptr<float>();
+  B.dq = dq_hv.data_ptr<float>();
+  B.dk = dk_hv.data_ptr<float>();
+  float* out = packed.data_ptr<float>();
+  B.dv = out + layout.dv.offset;
+  B.dg = out + layout.dg.offset;
+  B.dbeta = out + layout.dbeta.offset;
+  B.dh0 = p.has_initial_state ? out + layout.dstate.offset : nullptr;
+  launch_chunk_parallel(dv_local_kernel<kind>, chunks * HV * (VP / kBwdTile), dv_local_smem(int(KP)),
+                        B, stream);
+  switch (KP / 64) {
+    case 1: narrow ? launch_dh<kind, 1, 2>(B, N, stream) : launch_dh<kind, 1, 4>(B, N, stream); break;
+    case 2: narrow ? launch_dh<kind, 2, 2>(B, N, stream) : launch_dh<kind, 2, 4>(B, N, stream); break;
+    case 3: narrow ? launch_dh<kind, 3, 2>(B, N, stream) : launch_dh<kind, 3, 4>(B, N, stream); break;
+    default: narrow ? launch_dh<kind, 4, 2>(B, N, stream) : launch_dh<kind, 4, 4>(B, N, stream); break;
+  }
+  launch_chunk_parallel(dqk_kernel<kind>, chunks * HV * (KP / kBwdTile), dqk_smem(), B, stream);
+  launch_chunk_parallel(wy_kernel<kind>, chunks * HV, wy_smem(), B, stream);
+}
+
 // The checkpoints' tag (gdn_checks.h), read from device memory: one 4-byte copy to the host.
 void check_tag(const char* op, const at::Tensor& ckpt, uint32_t tag) {
   if (ckpt.numel() == 0) return;
@@ -209,11 +287,18 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     std::tie(q, rq) = l2norm_rows(q, *l2norm_eps, p.acc_dtype);
     std::tie(k, rk) = l2norm_rows(k, *l2norm_eps, p.acc_dtype);
   }
+  // the chunked kernels' products read q and k in v's dtype (as in the forward); it reads the
+  // forward's vw, which it keeps in every case the chunked path covers (gdn_keeps_vw)
+  const bool chunked = chunked_applies(p) && vw.has_value() && vw->numel() > 0;
+  const at::Tensor q16 = chunked ? q.to(p.input_dtype) : q, k16 = chunked ? k.to(p.input_dtype) : k;
   const at::Tensor v = v_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), dout = grad_o_in.contiguous();
   const std::optional<at::Tensor> dht =
       grad_final_state.has_value() ? std::optional<at::Tensor>(grad_final_state->contiguous())
                                    : std::nullopt;
+  const std::optional<at::Tensor> h0 =
+      initial_state.has_value() ? std::optional<at::Tensor>(initial_state->contiguous())
+                                : std::nullopt;
   const int64_t B = p.batch, T = p.seq_len, H = p.num_qk_heads, HV = p.num_v_heads;
   const int64_t K = p.head_k_dim, V = p.head_v_dim, G = p.group();
   const GdnBackwardLayout layout = GdnBackwardLayout::make(
@@ -221,56 +306,80 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   const auto acc_opts = q_in.options().dtype(p.acc_dtype);
   at::Tensor packed = at::empty({layout.total}, acc_opts);
   auto slice = [&](const GdnSlice& sl) { return packed.narrow(0, sl.offset, sl.numel); };
-  const int64_t nvt = ceil_div(V, kCols), tokens = p.tokens();
+  const int64_t tokens = p.tokens();
+  const int64_t nvt = chunked ? 1 : ceil_div(V, kCols);  // (chunked: dq, dk per value head)
   at::Tensor dq_part = at::empty({nvt, tokens, H, G, K}, acc_opts);
   at::Tensor dk_part = at::empty({nvt, tokens, H, G, K}, acc_opts);
-  at::Tensor dg_part = at::empty({nvt, tokens, HV, K}, acc_opts);
-  at::Tensor dbeta_part = at::empty({nvt, tokens, HV}, acc_opts);
-  const int64_t blocks = p.num_seqs * HV * nvt;
-  const int warps = num_warps(int(K));
-  const int64_t longest_chunk = std::min<int64_t>(p.chunk, std::max<int64_t>(p.longest, 1));
-  const int64_t sub_slots_f = ceil_div(longest_chunk, 4), sub_slots_d = ceil_div(longest_chunk, 2);
-  const int64_t sub_slots = p.acc_dtype == at::kDouble ? sub_slots_d : sub_slots_f;
-  at::Tensor scratch = at::empty({blocks * sub_slots * warps * kRows * kCols}, acc_opts);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "gated_delta_bwd", [&] {
-    using v_t = scalar_t;
-    using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-    auto run = [&](auto qk_tag) {
-      using qk_t = decltype(qk_tag);
-      BwdArgs<qk_t, v_t, acc_t> A;
-      A.d = make_dims<acc_t>(p, cu.device_ptr(), scale);
-      A.q = q.data_ptr<qk_t>();
-      A.k = k.data_ptr<qk_t>();
-      A.v = v.data_ptr<v_t>();
-      A.dout = dout.data_ptr<v_t>();
-      A.g = g.data_ptr<acc_t>();
-      A.beta = beta.data_ptr<acc_t>();
-      A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<acc_t>() : nullptr;
-      A.dht = data_or_null<acc_t>(dht);
-      A.dq_part = dq_part.data_ptr<acc_t>();
-      A.dk_part = dk_part.data_ptr<acc_t>();
-      A.dg_part = dg_part.data_ptr<acc_t>();
-      A.dbeta_part = dbeta_part.data_ptr<acc_t>();
-      A.dv = packed.data_ptr<acc_t>() + layout.dv.offset;
-      A.dh0 = p.has_initial_state ? packed.data_ptr<acc_t>() + layout.dstate.offset : nullptr;
-      A.scratch = scratch.data_ptr<acc_t>();
-      A.sub_slots = sub_slots;
-      if (p.gate_per_channel) {
-        launch_backward<qk_t, v_t, acc_t, true>(A, blocks, stream);
-      } else {
-        launch_backward<qk_t, v_t, acc_t, false>(A, blocks, stream);
-      }
-    };
-    if (q.scalar_type() == p.acc_dtype) {
-      run(acc_t{});
+  if (chunked) {
+    const at::Tensor vwc = vw->contiguous();
+    if (p.input_dtype == at::kBFloat16) {
+      chunked_backward<Bits16::kBFloat16>(p, cu, scale, q16, k16, v, g, beta, h0,
+                                          dout, dht, vwc, layout, packed, dq_part, dk_part, stream);
     } else {
-      run(scalar_t{});
+      chunked_backward<Bits16::kHalf>(p, cu, scale, q16, k16, v, g, beta, h0,
+                                      dout, dht, vwc, layout, packed, dq_part, dk_part, stream);
     }
-  });
-  // The sums over column tiles (and over a GVA group's value heads), in a fixed order.
+  } else {
+    at::Tensor dg_part = at::empty({nvt, tokens, HV, K}, acc_opts);
+    at::Tensor dbeta_part = at::empty({nvt, tokens, HV}, acc_opts);
+    const int64_t blocks = p.num_seqs * HV * nvt;
+    const int warps = num_warps(int(K));
+    const int64_t longest_chunk = std::min<int64_t>(p.chunk, std::max<int64_t>(p.longest, 1));
+    const int64_t sub_slots_f = ceil_div(longest_chunk, 4), sub_slots_d = ceil_div(longest_chunk, 2);
+    const int64_t sub_slots = p.acc_dtype == at::kDouble ? sub_slots_d : sub_slots_f;
+    at::Tensor scratch = at::empty({blocks * sub_slots * warps * kRows * kCols}, acc_opts);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, v.scalar_type(), "gated_delta_bwd", [&] {
+      using v_t = scalar_t;
+      using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+      auto run = [&](auto qk_tag) {
+        using qk_t = decltype(qk_tag);
+        BwdArgs<qk_t, v_t, acc_t> A;
+        A.d = make_dims<acc_t>(p, cu.device_ptr(), scale);
+        A.q = q.data_ptr<qk_t>();
+        A.k = k.data_ptr<qk_t>();
+        A.v = v.data_ptr<v_t>();
+        A.dout = dout.data_ptr<v_t>();
+        A.g = g.data_ptr<acc_t>();
+        A.beta = beta.data_ptr<acc_t>();
+        A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<acc_t>() : nullptr;
+        A.dht = data_or_null<acc_t>(dht);
+        A.dq_part = dq_part.data_ptr<acc_t>();
+        A.dk_part = dk_part.data_ptr<acc_t>();
+        A.dg_part = dg_part.data_ptr<acc_t>();
+        A.dbeta_part = dbeta_part.data_ptr<acc_t>();
+        A.dv = packed.data_ptr<acc_t>() + layout.dv.offset;
+        A.dh0 = p.has_initial_state ? packed.data_ptr<acc_t>() + layout.dstate.offset : nullptr;
+        A.scratch = scratch.data_ptr<acc_t>();
+        A.sub_slots = sub_slots;
+        if (p.gate_per_channel) {
+          launch_backward<qk_t, v_t, acc_t, true>(A, blocks, stream);
+        } else {
+          launch_backward<qk_t, v_t, acc_t, false>(A, blocks, stream);
+        }
+      };
+      if (q.scalar_type() == p.acc_dtype) {
+        run(acc_t{});
+      } else {
+        run(scalar_t{});
+      }
+    });
+    // the token kernel's dg, dbeta: sums over column tiles (and a GVA group's value heads)
+    const std::vector<int64_t> tiles_dim{0}, tiles_group_dims{0, 3};
+    const at::IntArrayRef tiles(tiles_dim), tiles_group(tiles_group_dims);
+    if (p.gate_per_channel) {
+      at::Tensor dg = slice(layout.dg).view({tokens, HV, K});
+      at::sum_out(dg, dg_part, tiles);
+    } else {
+      at::Tensor dg = slice(layout.dg).view({tokens, HV});
+      at::sum_out(dg, dg_part, tiles_group);
+    }
+    at::Tensor dbeta = slice(layout.dbeta).view({tokens, HV});
+    at::sum_out(dbeta, dbeta_part, tiles);
+  }
+  // dq, dk: the sums over column tiles (and over a GVA group's value heads), in a fixed order.
   // (dims as IntArrayRef: a braced list is ambiguous with DimnameList in some torch versions)
-  const std::vector<int64_t> tiles_dim{0}, tiles_group_dims{0, 3};
-  const at::IntArrayRef tiles(tiles_dim), tiles_group(tiles_group_dims);
+  const std::vector<int64_t> tiles_group_dims{0, 3};
+  const at::IntArrayRef tiles_group(tiles_group_dims);
   at::Tensor dq = slice(layout.dq).view({tokens, H, K});
   at::Tensor dk = slice(layout.dk).view({tokens, H, K});
   if (l2norm_eps.has_value()) {
@@ -283,15 +392,6 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     at::sum_out(dq, dq_part, tiles_group);
     at::sum_out(dk, dk_part, tiles_group);
   }
-  if (p.gate_per_channel) {
-    at::Tensor dg = slice(layout.dg).view({tokens, HV, K});
-    at::sum_out(dg, dg_part, tiles);
-  } else {
-    at::Tensor dg = slice(layout.dg).view({tokens, HV});
-    at::sum_out(dg, dg_part, tiles_group);
-  }
-  at::Tensor dbeta = slice(layout.dbeta).view({tokens, HV});
-  at::sum_out(dbeta, dbeta_part, tiles);
   return packed;
 }
 

@@ -63,6 +63,7 @@ struct ChunkArgs {
   uint16_t* U = nullptr;         // [tokens, HV, VP] U'
   uint16_t* u = nullptr;         // [tokens, HV, VP] beta vw
   uint16_t* hT = nullptr;        // [slots64, HV, VP, KP] state before each chunk, transposed
+  uint16_t* Tinv = nullptr;      // optional (the backward's), [tokens, HV, 64] T' rows
   float* vw = nullptr;           // optional, [tokens, HV, V]
   float *ht = nullptr, *ckpt = nullptr;
   uint16_t* out = nullptr;       // [tokens, HV, V]
@@ -98,6 +99,47 @@ __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* t, int 
   const int g = lane / 4, c = 2 * (lane % 4);
   b[0] = word_at(t + (n0 + g) * ld + k0 + c);
   b[1] = word_at(t + (n0 + g) * ld + k0 + c + 8);
+}
+// B fragment of n0.., k0.. of B = X, X a [k][n] tile (the right factor not transposed).
+__device__ __forceinline__ void frag_b_t(uint32_t (&b)[2], const uint16_t* t, int ld, int n0,
+                                         int k0, int lane) {
+  const int g = n0 + lane / 4, c = k0 + 2 * (lane % 4);
+  b[0] = pack2(t[c * ld + g], t[(c + 1) * ld + g]);
+  b[1] = pack2(t[(c + 8) * ld + g], t[(c + 9) * ld + g]);
+}
+
+// One warp's acc (16 rows from m0, 8 NT columns from n0) += A B over k in [k_begin, k_end)
+// (multiples of 16). A is read from a [m][k] tile, or a [k][m] one (kAT); B from a [n][k]
+// tile, or a [k][n] one (kBT). Accumulator r of column tile nt is element
+// (m0 + lane / 4 + 8 (r / 2), n0 + 8 nt + 2 (lane % 4) + r % 2): acc_row, acc_col.
+template <Bits16 kind, bool kAT, bool kBT, int NT>
+__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const uint16_t* a, int lda,
+                                         int m0, const uint16_t* b, int ldb, int n0,
+                                         int k_begin, int k_end, int lane) {
+  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+    uint32_t af[4];
+    if constexpr (kAT) {
+      frag_a_t(af, a, lda, m0, k0, lane);
+    } else {
+      frag_a(af, a, lda, m0, k0, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      uint32_t bf[2];
+      if constexpr (kBT) {
+        frag_b_t(bf, b, ldb, n0 + 8 * nt, k0, lane);
+      } else {
+        frag_b(bf, b, ldb, n0 + 8 * nt, k0, lane);
+      }
+      mma_16816<kind>(acc[nt], af, bf);
+    }
+  }
+}
+__device__ __forceinline__ int acc_row(int m0, int r, int lane) {
+  return m0 + lane / 4 + 8 * (r / 2);
+}
+__device__ __forceinline__ int acc_col(int nt, int r, int lane) {
+  return 8 * nt + 2 * (lane % 4) + (r % 2);
 }
 
 // dst (16-bit tile, leading dim ld) <- src rows [0, rows) x cols [0, cols) (row r, column c
@@ -254,6 +296,11 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
       x[i] = s0 + s1;
     }
     for (int i = 0; i < kChunk; ++i) sT[i * ldC + c] = float_to_bits<kind>(x[i]);
+    if (A.Tinv != nullptr) {  // (column c of the rows the chunk has)
+      for (int i = 0; i < len; ++i) {
+        A.Tinv[((e.t0 + i) * d.HV + hv) * kChunk + c] = sT[i * ldC + c];
+      }
+    }
   }
   __syncthreads();
   // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time, pads included

@@ -226,7 +226,7 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
         const int row = Tile::row(w, mt, r, lane), col = v0 + Tile::col(nt, r, lane);
-        if (row < d.K && col < d.V) {
+        if (A.ht != nullptr && row < d.K && col < d.V) {  // (the backward's re-run: none)
           A.ht[(n * d.HV + hv) * KV + int64_t(row) * d.V + col] = S.s[mt][nt][r];
         }
       }

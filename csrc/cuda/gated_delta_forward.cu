@@ -11,6 +11,7 @@
 #endif
 
 #include "gated_delta_chunk.cuh"
+#include "gated_delta_chunk_host.cuh"
 #include "gated_delta_chunk_state.cuh"
 #include "gated_delta_cuda.cuh"
 
@@ -86,111 +87,23 @@ void launch_forward(const FwdArgs<qk_t, v_t, acc_t>& A, int64_t num_seqs, cudaSt
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The chunked path: one gate per head, 16-bit inputs (its products run on 16-bit operands),
-// K, V <= 256, checkpoints every multiple of 64 tokens (its states are those at 64-token chunk
-// starts). It is taken with RLX_CUDA_GATED_DELTA_CHUNKED=1 (see docs/cuda.md).
-bool chunked_applies(const GdnProblem& p) {
-  const char* flag = std::getenv("RLX_CUDA_GATED_DELTA_CHUNKED");
-  if (flag == nullptr || flag[0] != '1') return false;
-  const bool bits16 = p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16;
-  return bits16 && !p.gate_per_channel && p.head_k_dim <= 256 && p.head_v_dim <= 256 &&
-         p.chunk % kChunk == 0;
-}
-
-template <Bits16 kind, int MT, int NT>
-void launch_state(const ChunkArgs& A, int64_t num_seqs, cudaStream_t stream) {
-  const int64_t blocks = num_seqs * A.d.HV * (A.VP / (8 * NT));
-  if (blocks == 0) return;
-  const size_t smem = state_smem(64 * MT, 8 * NT);
-  auto kernel = state_kernel<kind, MT, NT>;
-  allow_shared_memory(kernel, smem);
-  kernel<<<dim3(unsigned(blocks)), dim3(kChunkThreads), smem, stream>>>(A);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <Bits16 kind, int MT>
-void launch_state_cols(const ChunkArgs& A, int64_t num_seqs, cudaStream_t stream) {
-  // 16-column tiles when 32-column ones would leave SMs idle (the recurrence is serial)
-  int dev = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&dev));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  if (num_seqs * A.d.HV * (A.VP / 32) >= 2 * int64_t(sms)) {
-    launch_state<kind, MT, 4>(A, num_seqs, stream);
-  } else {
-    launch_state<kind, MT, 2>(A, num_seqs, stream);
-  }
-}
-
-uint16_t* bits_of(const at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); }
-
 template <Bits16 kind>
 void chunked_forward(const GdnProblem& p, const SeqLens& cu, double scale, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                      const at::Tensor& beta, const std::optional<at::Tensor>& h0, at::Tensor& o,
                      at::Tensor& ht, at::Tensor& ckpt, at::Tensor& vw, cudaStream_t stream) {
-  const int64_t N = p.num_seqs, HV = p.num_v_heads;
-  const int64_t KP = ceil_div(p.head_k_dim, 64) * 64, VP = ceil_div(p.head_v_dim, 64) * 64;
-  std::vector<ChunkEntry> entries;
-  for (int64_t n = 0; n < N; ++n) {
-    int64_t bos, eos;
-    gdn_sequence_bounds(p, cu.host_ptr(), n, &bos, &eos);
-    const int64_t base = gdn_checkpoint_base(n, bos, kChunk);
-    for (int64_t j = 0; bos + j * kChunk < eos; ++j) {
-      entries.push_back({bos + j * kChunk, std::min<int64_t>(kChunk, eos - bos - j * kChunk), n,
-                         base + j});
-    }
-  }
-  const int64_t chunks = int64_t(entries.size());
-  at::Tensor table = at::empty({chunks * 4}, at::TensorOptions().dtype(at::kLong));
-  if (chunks > 0) {
-    std::memcpy(table.data_ptr<int64_t>(), entries.data(), sizeof(ChunkEntry) * entries.size());
-  }
-  table = table.to(q.device());
-  const at::Tensor G = at::empty({p.tokens(), HV}, q.options().dtype(at::kFloat));
-  const at::Tensor W = at::empty({p.tokens(), HV, KP}, v.options());
-  const at::Tensor U = at::empty({p.tokens(), HV, VP}, v.options());
-  const at::Tensor u = at::empty({p.tokens(), HV, VP}, v.options());
-  const at::Tensor hT = at::empty({gdn_checkpoint_slots(N, p.tokens(), kChunk), HV, VP, KP},
-                                  v.options());
   ChunkArgs A;
-  A.d = make_dims<float>(p, cu.device_ptr(), scale);
-  A.KP = int(KP);
-  A.VP = int(VP);
-  A.chunks = reinterpret_cast<const ChunkEntry*>(table.data_ptr<int64_t>());
-  A.num_chunks = chunks;
-  A.q = bits_of(q);
-  A.k = bits_of(k);
-  A.v = bits_of(v);
-  A.g = g.data_ptr<float>();
-  A.beta = beta.data_ptr<float>();
-  A.h0 = data_or_null<float>(h0);
-  A.G = G.data_ptr<float>();
-  A.W = bits_of(W);
-  A.U = bits_of(U);
-  A.u = bits_of(u);
-  A.hT = bits_of(hT);
+  const ChunkPlan plan = plan_chunks(p, cu, scale, q, k, v, g, beta, h0, A);
   A.vw = vw.numel() > 0 ? vw.data_ptr<float>() : nullptr;
   A.ht = ht.data_ptr<float>();
   A.ckpt = ckpt.numel() > 0 ? ckpt.data_ptr<float>() : nullptr;
   A.out = bits_of(o);
-  if (chunks > 0) {
-    const size_t smem = prep_smem(A.KP, A.VP);
-    auto kernel = prep_kernel<kind>;
-    allow_shared_memory(kernel, smem);
-    kernel<<<dim3(unsigned(chunks * HV)), dim3(kChunkThreads), smem, stream>>>(A);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
-  switch (A.KP / 64) {
-    case 1: launch_state_cols<kind, 1>(A, N, stream); break;
-    case 2: launch_state_cols<kind, 2>(A, N, stream); break;
-    case 3: launch_state_cols<kind, 3>(A, N, stream); break;
-    default: launch_state_cols<kind, 4>(A, N, stream); break;
-  }
-  if (chunks > 0) {
+  launch_prep_and_state<kind>(A, p.num_seqs, stream);
+  if (plan.chunks > 0) {
     const size_t smem = output_smem(A.KP);
     auto kernel = output_kernel<kind>;
     allow_shared_memory(kernel, smem);
-    kernel<<<dim3(unsigned(chunks * HV * (VP / kOutCols))), dim3(kChunkThreads), smem,
+    kernel<<<dim3(unsigned(plan.chunks * A.d.HV * (A.VP / kOutCols))), dim3(kChunkThreads), smem,
              stream>>>(A);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

@@ -6,10 +6,13 @@
 
 #include <algorithm>
 #include <barrier>
+#include <condition_variable>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -35,8 +38,48 @@ struct Warp {
   double slots[32];
   uint32_t frag_a[32][4], frag_b[32][2];  // mma operands of every lane
 };
+// RLX_EMU_SERIAL_WARPS: between two block barriers the warps run one at a time, in an order
+// that rotates from one barrier to the next, so that every warp in turn runs its whole phase
+// before the others start theirs (and after they end theirs). A read of what another warp
+// writes with no barrier between them then sees the value from before (or the NaN that
+// shared memory starts as): missing barriers show in the results however the OS schedules.
+inline const bool serial_warps = std::getenv("RLX_EMU_SERIAL_WARPS") != nullptr;
+struct Turns {
+  std::mutex m;
+  std::condition_variable cv;
+  std::vector<unsigned> alive;  // threads of each warp that have not returned
+  unsigned warps = 0, phase = 0, pos = 0, arrived = 0;
+  unsigned current() const { return (phase + pos) % warps; }
+  // the current warp's threads have all arrived (or returned): the next warp's turn
+  void advance() {
+    unsigned left = 0;
+    for (unsigned a : alive) left += a;
+    while (left > 0 && arrived == alive[current()]) {
+      arrived = 0;
+      if (++pos == warps) pos = 0, ++phase;
+      if (alive[current()] != 0) break;
+    }
+    cv.notify_all();
+  }
+  void wait_turn(std::unique_lock<std::mutex>& lk, unsigned w, unsigned after_phase) {
+    cv.wait(lk, [&] { return phase > after_phase && current() == w; });
+  }
+  void arrive_and_wait(unsigned w) {
+    std::unique_lock<std::mutex> lk(m);
+    const unsigned my_phase = phase;
+    ++arrived;
+    advance();
+    wait_turn(lk, w, my_phase);
+  }
+  void leave() {
+    std::unique_lock<std::mutex> lk(m);
+    --alive[current()];
+    advance();
+  }
+};
 struct Block {
   std::barrier<>* bar;
+  Turns* turns;  // serial_warps only
   std::vector<std::unique_ptr<Warp>>* warps;
   unsigned char* smem;
 };
@@ -49,7 +92,13 @@ inline thread_local Block* block = nullptr;
 #define blockIdx emu::bid
 #define blockDim emu::bdim
 
-inline void __syncthreads() { emu::block->bar->arrive_and_wait(); }
+inline void __syncthreads() {
+  if (emu::block->turns != nullptr) {
+    emu::block->turns->arrive_and_wait(threadIdx.x / 32);
+  } else {
+    emu::block->bar->arrive_and_wait();
+  }
+}
 
 template <class T>
 T __shfl_xor_sync(unsigned, T v, int off) {
@@ -140,14 +189,24 @@ void launch(unsigned blocks, unsigned threads, size_t smem_bytes, F kernel) {
     std::vector<std::unique_ptr<Warp>> warps;
     for (unsigned w = 0; w < (threads + 31) / 32; ++w) warps.push_back(std::make_unique<Warp>());
     std::vector<double> mem((smem_bytes + 7) / 8 + 2, std::nan(""));
-    Block blk{&bar, &warps, reinterpret_cast<unsigned char*>(mem.data())};
+    Turns turns;
+    turns.warps = (threads + 31) / 32;
+    for (unsigned w = 0; w < turns.warps; ++w) turns.alive.push_back(std::min(32u, threads - 32 * w));
+    turns.phase = 1;  // (warp 1 first: so that warp 0 is not always first)
+    Block blk{&bar, serial_warps ? &turns : nullptr, &warps,
+              reinterpret_cast<unsigned char*>(mem.data())};
     std::vector<std::thread> ts;
     for (unsigned t = 0; t < threads; ++t) {
       ts.emplace_back([&, t] {
         tid = dim3(t);
         bid = dim3(b);
         block = &blk;
+        if (blk.turns != nullptr) {
+          std::unique_lock<std::mutex> lk(turns.m);
+          turns.wait_turn(lk, t / 32, 0);
+        }
         kernel();
+        if (blk.turns != nullptr) turns.leave();
       });
     }
     for (auto& th : ts) th.join();

@@ -9,6 +9,7 @@
 #define RLX_CUDA_EMULATION 1
 #include "gated_delta_chunk.cuh"
 #include "gated_delta_chunk_state.cuh"
+#include "emu_io.h"
 
 #include <cstdio>
 #include <cstdlib>
@@ -16,34 +17,15 @@
 
 using namespace rlx::gdn::cuda;
 
-static std::vector<float> read(const std::string& path, size_t n) {
-  std::vector<float> x(n);
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f || std::fread(x.data(), sizeof(float), n, f) != n) {
-    std::fprintf(stderr, "cannot read %zu floats from %s\n", n, path.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return x;
-}
-
-static void write(const std::string& path, const std::vector<float>& x) {
-  FILE* f = std::fopen(path.c_str(), "wb");
-  std::fwrite(x.data(), sizeof(float), x.size(), f);
-  std::fclose(f);
-}
+using emu::read;
+using emu::to_bf16;
+using emu::write;
 
 template <int MT, int NT>
 static void run_state(const ChunkArgs& A, int64_t N) {
   const int64_t blocks = N * A.d.HV * (A.VP / (8 * NT));
   emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT),
               [&] { state_kernel<Bits16::kBFloat16, MT, NT>(A); });
-}
-
-static std::vector<uint16_t> to_bf16(const std::vector<float>& x) {
-  std::vector<uint16_t> y(x.size());
-  for (size_t i = 0; i < x.size(); ++i) y[i] = emu::float_to_bf16(x[i]);
-  return y;
 }
 
 int main(int argc, char** argv) {

@@ -1,0 +1,254 @@
+// Gated delta rule backward on tensor cores, the chunked (WY / UT-transform) formulation for
+// one gate per head (the forward: gated_delta_chunk.cuh, whose notation this follows). Per
+// chunk, with S0 the state before it, dS the gradient of the state after it, dO the output's:
+//   du  = scale P^T dO + (K o e^(G_last - G)) dS,   P = [j <= i] (Q K^T) o e^(G_i - G_j)
+//   dvw = beta o du,  dbeta = du . vw (+ the WY part),  dU' = dvw,  dW' = -dvw S0^T
+//   dS0 = e^(G_last) dS + scale (Q o e^G)^T dO - W'^T dvw
+// after the forward's prep and state kernels have been re-run for G, W', T', u and S0. Then
+// per chunk the gradients of the inputs (gated_delta_chunk_bwd_grads.cuh):
+//   dq = scale e^G o (dO S0^T) + dP K,     dP = scale [j <= i] (dO u^T) o e^(G_i - G_j)
+//   dk = e^(G_last - G) o (u dS^T) + dP^T Q + (dA + dA^T) K + e^G o (T'^T dW')
+//   dv = T'^T dvw,  dT' = dvw V^T + dW' (K o e^G)^T,  dM = -[j < i] T'^T dT' T'^T,
+//   dA = (dM o beta_j) o e^(G_i - G_j),  dbeta_j += sum_i dM_ij L_ij
+// and dg the reverse cumulative sum, within the chunk, of the gradient of G (the terms each
+// e^(G_i - G_j) or e^G_i factor contributes). Every exponent is a difference G_i - G_j with
+// j <= i, or G_i, or G_last - G_j, as in the forward; past a chunk's last token G is padded
+// with G_last rather than 0, so that e^(G_i - G_j) of a padding row stays <= 1 (with 0 it
+// overflows under strong decay, and 0 x inf is NaN).
+//
+// Kernels, in launch order after the re-run forward:
+//   dv_local_kernel  chunk parallel: scale P^T dO (float32)
+//   dh_kernel        one block per (sequence, value head, BV-column tile), the chunks last
+//                    first with dS [KP][BV] in float32 mma accumulators: du, dvw, dbeta's
+//                    du . vw, each chunk's dS (16-bit) and dS0 (dh0) at the end
+//   dqk_kernel, wy_kernel (gated_delta_chunk_bwd_grads.cuh)
+// No atomics: every element is written by one thread, partial sums over tiles are added in a
+// fixed order, so the results are bitwise reproducible.
+#pragma once
+
+#include "gated_delta_chunk.cuh"
+#include "gated_delta_chunk_state.cuh"
+
+namespace rlx::gdn::cuda {
+
+constexpr int kBwdTile = 64;  // columns per tile of the chunk-parallel backward kernels
+
+// Buffers of the chunked backward ([tokens, HV, X] unless said); f holds the inputs and what
+// the re-run prep and state kernels wrote (G, W', T', u, the chunk states hT).
+struct ChunkBwdArgs {
+  ChunkArgs f;
+  const uint16_t* dout = nullptr;  // [tokens, HV, V]
+  const float* dht = nullptr;      // [N, HV, K, V] or nullptr
+  const float* vw = nullptr;       // [tokens, HV, V] the forward's vw
+  float* duL = nullptr;            // [tokens, HV, VP] scale P^T dO
+  uint16_t* dvw = nullptr;         // [tokens, HV, VP]
+  uint16_t* dS = nullptr;          // [slots64, HV, KP, VP] dL/dS after each chunk
+  uint16_t* dW = nullptr;          // [tokens, HV, KP] dL/dW'
+  float* dbeta_part = nullptr;     // [dbeta_tiles, tokens, HV] du . vw per dh_kernel tile
+  int dbeta_tiles = 0;
+  float* dg_part = nullptr;        // [KP / 64, tokens, HV] dqk_kernel's part of dL/dG
+  float *dq = nullptr, *dk = nullptr;  // [tokens, HV, K]: per value head (summed on the host)
+  float *dv = nullptr, *dg = nullptr, *dbeta = nullptr, *dh0 = nullptr;  // packed slices
+};
+
+// Sum over the 4 lanes that hold one accumulator row (lane / 4 alike).
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(kFull, x, 1);
+  return x + __shfl_xor_sync(kFull, x, 2);
+}
+
+// ---- dv_local: scale P^T dO of one chunk, value head and 64-column tile ---------------------
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdArgs B) {
+  const ChunkArgs& A = B.f;
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int nvt = VP / kBwdTile;
+  const int vt = int(blockIdx.x % nvt), hv = int(blockIdx.x / nvt % d.HV), h = hv / d.group;
+  const ChunkEntry e = A.chunks[blockIdx.x / nvt / d.HV];
+  const int len = int(e.len), v0 = vt * kBwdTile;
+  const int ldK = KP + kPad, ldC = kChunk + kPad;
+  float* sG = dynamic_smem<float>();
+  uint16_t* sQ = reinterpret_cast<uint16_t*>(sG + kChunk);  // [64][KP+8]
+  uint16_t* sK = sQ + kChunk * ldK;                          // [64][KP+8]
+  uint16_t* sDo = sK + kChunk * ldK;                         // [64][72] dO tile
+  uint16_t* sP = sDo + kChunk * ldC;                         // [64][72] P (i, j)
+  const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
+  }
+  load_tile<kind, false>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                         KP, len, d.K);
+  load_tile<kind, false>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                         KP, len, d.K);
+  load_tile<kind, false>(sDo, ldC, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                         kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
+  __syncthreads();
+  {
+    float P[8][4] = {};
+    warp_mma<kind, false, false, 8>(P, sQ, ldK, 16 * w, sK, ldK, 0, 0, KP, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(16 * w, r, lane), j = acc_col(nt, r, lane);
+        const float p = j <= i ? d.scale * P[nt][r] * exp(sG[i] - sG[j]) : 0.f;
+        sP[i * ldC + j] = float_to_bits<kind>(p);
+      }
+  }
+  __syncthreads();
+  // rows j of P^T (A = sP read transposed), columns of the dO tile (B = sDo, [k][n])
+  float acc[8][4] = {};
+  warp_mma<kind, true, true, 8>(acc, sP, ldC, 16 * w, sDo, ldC, 0, 16 * w, kChunk, lane);
+  const int64_t pv_stride = int64_t(d.HV) * VP;
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int j = acc_row(16 * w, r, lane), c = v0 + acc_col(nt, r, lane);
+      if (j < len) B.duL[(e.t0 + j) * pv_stride + int64_t(hv) * VP + c] = acc[nt][r];
+    }
+}
+
+__host__ __device__ inline size_t dv_local_smem(int KP) {
+  return sizeof(float) * kChunk +
+         sizeof(uint16_t) * (size_t(2 * kChunk) * (KP + kPad) + size_t(2 * kChunk) * (kChunk + kPad));
+}
+
+// ---- dh: the reverse recurrence over chunks of one sequence, value head and BV columns -------
+// dS [KP][BV] in accumulators (warp w rows 16 (MT w + mt) ..). Per chunk, last first:
+//   store dS;  du = duL + (K o e^(G_last - G)) dS;  dvw = beta o du;
+//   dS = e^(G_last) dS + [scale Q o e^G; W']^T [dO; -dvw]   (one product over 2C rows)
+template <Bits16 kind, int MT, int NT>
+__global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B) {
+  const ChunkArgs& A = B.f;
+  using Tile = StateTile<MT, NT>;
+  constexpr int BV = 8 * NT, KP = 64 * MT, C2 = 2 * kChunk;
+  constexpr int ldK = KP + kPad, ldY = C2 + kPad;
+  const Dims<float>& d = A.d;
+  const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp, VP = A.VP;
+  const int nvt = VP / BV;
+  const int vt = int(blockIdx.x % nvt), hv = int(blockIdx.x / nvt % d.HV), h = hv / d.group;
+  const int64_t n = blockIdx.x / nvt / d.HV;
+  const int64_t bos = d.cu != nullptr ? d.cu[n] : n * d.seq_len;
+  const int64_t eos = d.cu != nullptr ? d.cu[n + 1] : bos + d.seq_len;
+  const int v0 = vt * BV, cols_ok = max(0, min(BV, d.V - v0));
+  float* sG = dynamic_smem<float>();                                // [64]
+  float* sBeta = sG + kChunk;                                       // [64]
+  uint16_t* sDsT = reinterpret_cast<uint16_t*>(sBeta + kChunk);     // [BV][KP+8] dS^T
+  uint16_t* sKd = sDsT + BV * ldK;                                  // [64][KP+8] K o e^(Gl-G)
+  uint16_t* sX = sKd + kChunk * ldK;                                // [128][KP+8]
+  uint16_t* sYT = sX + C2 * ldK;                                    // [BV][136]
+  const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
+  const int64_t v_stride = int64_t(d.HV) * d.V, pv_stride = int64_t(d.HV) * VP;
+  const int64_t pk_stride = int64_t(d.HV) * KP;
+  Tile S;  // dS
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = Tile::row(w, mt, r, lane), col = v0 + Tile::col(nt, r, lane);
+        S.s[mt][nt][r] = B.dht != nullptr && row < d.K && col < d.V
+                             ? B.dht[(n * d.HV + hv) * KV + int64_t(row) * d.V + col]
+                             : 0.f;
+      }
+  const int64_t base64 = checkpoint_base(n, bos, kChunk);
+  for (int64_t j = num_chunks(eos - bos, kChunk) - 1; j >= 0; --j) {
+    const int64_t t0 = bos + j * kChunk;
+    const int len = int(min(int64_t(kChunk), eos - t0));
+    __syncthreads();  // the previous chunk's readers are done
+    for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+      sG[i] = A.G[(t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
+      sBeta[i] = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
+    }
+    uint16_t* dS_out = B.dS + ((base64 + j) * d.HV + hv) * int64_t(KP) * VP + v0;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int row = Tile::row(w, mt, r, lane), cl = Tile::col(nt, r, lane);
+          const uint16_t bits = float_to_bits<kind>(S.s[mt][nt][r]);
+          sDsT[cl * ldK + row] = bits;
+          dS_out[int64_t(row) * VP + cl] = bits;
+        }
+    __syncthreads();  // sG
+    const float g_last = sG[len - 1];
+    load_tile<kind, false>(sKd, ldK, A.k + t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                           KP, len, d.K, [sG, g_last](int r) { return exp(g_last - sG[r]); });
+    load_tile<kind, false>(sX, ldK, A.q + t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                           KP, len, d.K, [sG, &d](int r) { return d.scale * exp(sG[r]); });
+    load_tile<kind, false>(sX + kChunk * ldK, ldK, A.W + t0 * pk_stride + int64_t(hv) * KP,
+                           pk_stride, kChunk, KP, len, KP);
+    load_tile<kind, true>(sYT, ldY, B.dout + t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                          kChunk, BV, len, cols_ok);
+    __syncthreads();
+    // du = duL + (K o e^(G_last - G)) dS: warp w chunk rows 16w .. 16w + 15
+    {
+      float du[NT][4];
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = acc_row(16 * w, r, lane), c = v0 + acc_col(nt, r, lane);
+          du[nt][r] = i < len ? B.duL[(t0 + i) * pv_stride + int64_t(hv) * VP + c] : 0.f;
+        }
+      warp_mma<kind, false, false, NT>(du, sKd, ldK, 16 * w, sDsT, ldK, 0, 0, KP, lane);
+      float db[2] = {0.f, 0.f};  // du . vw of rows (lane / 4) and (lane / 4 + 8)
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = acc_row(16 * w, r, lane), cl = acc_col(nt, r, lane), c = v0 + cl;
+          const bool ok = i < len;
+          const float dvw = ok ? sBeta[i] * du[nt][r] : 0.f;
+          sYT[cl * ldY + kChunk + i] = float_to_bits<kind>(-dvw);
+          if (ok) {
+            B.dvw[(t0 + i) * pv_stride + int64_t(hv) * VP + c] = float_to_bits<kind>(dvw);
+            if (c < d.V) db[r / 2] += du[nt][r] * B.vw[(t0 + i) * v_stride + int64_t(hv) * d.V + c];
+          }
+        }
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const float s = quad_sum(db[r2]);
+        const int i = acc_row(16 * w, 2 * r2, lane);
+        if (lane % 4 == 0 && i < len) {
+          B.dbeta_part[(int64_t(vt) * d.tokens + t0 + i) * d.HV + hv] = s;
+        }
+      }
+    }
+    __syncthreads();
+    const float decay = exp(g_last);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
+      warp_mma<kind, true, false, NT>(S.s[mt], sX, ldK, 16 * (MT * w + mt), sYT, ldY, 0, 0, C2,
+                                      lane);
+    }
+  }
+  if (B.dh0 == nullptr) return;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = Tile::row(w, mt, r, lane), col = v0 + Tile::col(nt, r, lane);
+        if (row < d.K && col < d.V) {
+          B.dh0[(n * d.HV + hv) * KV + int64_t(row) * d.V + col] = S.s[mt][nt][r];
+        }
+      }
+}
+
+__host__ __device__ inline size_t dh_smem(int KP, int BV) {
+  return sizeof(float) * 2 * kChunk +
+         sizeof(uint16_t) * (size_t(BV + 3 * kChunk) * (KP + kPad) + size_t(BV) * (2 * kChunk + kPad));
+}
+
+}  // namespace rlx::gdn::cuda

@@ -1,0 +1,300 @@
+// The chunk-parallel gradient kernels of the chunked gated delta backward (the equations:
+// gated_delta_chunk_bwd.cuh), run after dh_kernel:
+//   dqk_kernel  per (chunk, value head, 64 key columns): the products over V with the chunk's
+//               states, dO S0^T, dvw S0^T (dW') and u dS^T; dq and dk's first terms, dW', and
+//               their part of dL/dG (with e^(G_last) <dS, S0>)
+//   wy_kernel   per (chunk, value head): the C x C algebra (dP, dT', dM through T'), then dq,
+//               dk's other terms, dv, and dg (reverse cumulative sum of dL/dG) and dbeta
+// dq and dk are per value head ([tokens, HV, K]); the host adds a GVA group's heads.
+#pragma once
+
+#include "gated_delta_chunk_bwd.cuh"
+
+namespace rlx::gdn::cuda {
+
+template <Bits16 kind>
+__device__ __forceinline__ float bf_at(const uint16_t* t, int idx) {
+  return bits_to_float<kind>(t[idx]);
+}
+
+// ---- dqk: one chunk, value head and 64-key-column tile ---------------------------------------
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B) {
+  const ChunkArgs& A = B.f;
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int nkt = KP / kBwdTile;
+  const int kt = int(blockIdx.x % nkt), hv = int(blockIdx.x / nkt % d.HV), h = hv / d.group;
+  const ChunkEntry e = A.chunks[blockIdx.x / nkt / d.HV];
+  const int len = int(e.len), k0 = kt * kBwdTile, ld = kBwdTile + kPad;
+  float* sG = dynamic_smem<float>();  // [64]
+  float* sRowQ = sG + kChunk;         // [64] scale e^G_i q_i . (dO S0^T)_i
+  float* sRowK = sRowQ + kChunk;      // [64] e^(G_last - G_i) k_i . (u dS^T)_i
+  float* sRed = sRowK + kChunk;       // [128] <dS, S0> per thread
+  uint16_t* sDo = reinterpret_cast<uint16_t*>(sRed + kChunkThreads);  // [64][72] (then Q)
+  uint16_t* sDvw = sDo + kChunk * ld;                                  // [64][72] (then K)
+  uint16_t* sU = sDvw + kChunk * ld;                                   // [64][72]
+  uint16_t* sS0 = sU + kChunk * ld;                                    // [64 k][72] S0 (k, v)
+  uint16_t* sDs = sS0 + kChunk * ld;                                   // [64 k][72] dS (k, v)
+  const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
+  const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
+  }
+  float dQi[8][4] = {}, dWp[8][4] = {}, dHU[8][4] = {}, hs = 0.f;
+  const uint16_t* S0 = A.hT + (e.slot * d.HV + hv) * int64_t(VP) * KP;
+  const uint16_t* dS = B.dS + (e.slot * d.HV + hv) * int64_t(KP) * VP;
+  for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
+    __syncthreads();  // the previous tile's readers are done
+    load_tile<kind, false>(sDo, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                           kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
+    load_tile<kind, false>(sDvw, ld, B.dvw + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                           kChunk, kBwdTile, len, kBwdTile);
+    load_tile<kind, false>(sU, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                           kChunk, kBwdTile, len, kBwdTile);
+    load_tile<kind, true>(sS0, ld, S0 + int64_t(v0) * KP + k0, int64_t(KP), kBwdTile, kBwdTile,
+                          kBwdTile, kBwdTile);
+    load_tile<kind, false>(sDs, ld, dS + int64_t(k0) * VP + v0, int64_t(VP), kBwdTile, kBwdTile,
+                           kBwdTile, kBwdTile);
+    __syncthreads();
+    warp_mma<kind, false, false, 8>(dQi, sDo, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(dWp, sDvw, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(dHU, sU, ld, 16 * w, sDs, ld, 0, 0, kBwdTile, lane);
+    for (int idx = threadIdx.x; idx < kBwdTile * kBwdTile; idx += blockDim.x) {
+      const int at = (idx / kBwdTile) * ld + idx % kBwdTile;
+      hs += bf_at<kind>(sDs, at) * bf_at<kind>(sS0, at);
+    }
+  }
+  __syncthreads();
+  uint16_t* sQ = sDo;
+  uint16_t* sK = sDvw;
+  const int k_ok = max(0, min(kBwdTile, d.K - k0));
+  load_tile<kind, false>(sQ, ld, A.q + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
+                         kChunk, kBwdTile, len, k_ok);
+  load_tile<kind, false>(sK, ld, A.k + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
+                         kChunk, kBwdTile, len, k_ok);
+  sRed[threadIdx.x] = hs;
+  __syncthreads();
+  const float g_last = sG[len - 1];
+  float rq[2] = {0.f, 0.f}, rk[2] = {0.f, 0.f};
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = acc_row(16 * w, r, lane), cl = acc_col(nt, r, lane), c = k0 + cl;
+      rq[r / 2] += bf_at<kind>(sQ, i * ld + cl) * dQi[nt][r];
+      rk[r / 2] += bf_at<kind>(sK, i * ld + cl) * dHU[nt][r];
+      if (i >= len) continue;
+      const int64_t row = (e.t0 + i) * d.HV + hv;
+      if (c < d.K) {
+        B.dq[row * d.K + c] = d.scale * exp(sG[i]) * dQi[nt][r];
+        B.dk[row * d.K + c] = exp(g_last - sG[i]) * dHU[nt][r];
+      }
+      B.dW[(e.t0 + i) * pk_stride + int64_t(hv) * KP + c] = float_to_bits<kind>(-dWp[nt][r]);
+    }
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float sq = quad_sum(rq[r2]), sk = quad_sum(rk[r2]);
+    const int i = acc_row(16 * w, 2 * r2, lane);
+    if (lane % 4 == 0) {
+      sRowQ[i] = i < len ? d.scale * exp(sG[i]) * sq : 0.f;
+      sRowK[i] = i < len ? exp(g_last - sG[i]) * sk : 0.f;
+    }
+  }
+  __syncthreads();
+  const int i = threadIdx.x;
+  if (i >= len) return;
+  float val = sRowQ[i] - sRowK[i];
+  if (i == len - 1) {  // G_last's terms: e^(G_last) <dS, S0> + sum_j e^(G_last - G_j) k_j . (dS u_j)
+    float s = 0.f, t = 0.f;
+    for (int x = 0; x < kChunkThreads; ++x) s += sRed[x];
+    for (int j = 0; j < len; ++j) t += sRowK[j];
+    val += exp(g_last) * s + t;
+  }
+  B.dg_part[(int64_t(kt) * d.tokens + e.t0 + i) * d.HV + hv] = val;
+}
+
+__host__ __device__ inline size_t dqk_smem() {
+  return sizeof(float) * (3 * kChunk + kChunkThreads) +
+         sizeof(uint16_t) * 5 * size_t(kChunk) * (kBwdTile + kPad);
+}
+
+// ---- wy: the C x C algebra of one chunk and value head, then dq, dk, dv, dg, dbeta -----------
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B) {
+  const ChunkArgs& A = B.f;
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
+  const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
+  const int len = int(e.len), ld = kChunk + kPad, ldF = kChunk + 1;
+  float* sG = dynamic_smem<float>();  // [64]
+  float* sBeta = sG + kChunk;         // [64]
+  float* sRow = sBeta + kChunk;       // [64] e^G_i k_i . (T'^T dW')_i, then dL/dG_i
+  float* F1 = sRow + kChunk;          // [64][65] dO u^T, then dM o L
+  float* F2 = F1 + kChunk * ldF;      // [64][65] the terms of dL/dG: dP o (Q K^T) + dL o L
+  uint16_t* sT = reinterpret_cast<uint16_t*>(F2 + kChunk * ldF);  // [64][72] T'
+  uint16_t* sDP = sT + kChunk * ld;   // [64][72] dP
+  uint16_t* sDT = sDP + kChunk * ld;  // [64][72] dT', then T'^T dT'
+  uint16_t* sDA = sDT + kChunk * ld;  // [64][72] dA
+  uint16_t* s0 = sDA + kChunk * ld;   // [4][64][72] streamed tiles
+  uint16_t* s1 = s0 + kChunk * ld;
+  uint16_t* s2 = s1 + kChunk * ld;
+  uint16_t* s3 = s2 + kChunk * ld;
+  const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
+  const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
+  const uint16_t* q = A.q + e.t0 * qk_stride + int64_t(h) * d.K;
+  const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
+  const uint16_t* dW = B.dW + e.t0 * pk_stride + int64_t(hv) * KP;
+  const uint16_t* dvw = B.dvw + e.t0 * pv_stride + int64_t(hv) * VP;
+  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+    sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
+    sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
+  }
+  load_tile<kind, false>(sT, ld, A.Tinv + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
+                         kChunk, kChunk, len, kChunk);
+  const int m0 = 16 * w;
+  // dO u^T and dvw V^T over V; then Q K^T, K K^T and dW' (K o e^G)^T over K
+  float dP[8][4] = {}, dT[8][4] = {}, QK[8][4] = {}, KK[8][4] = {};
+  for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
+    const int v_ok = max(0, min(kBwdTile, d.V - v0));
+    __syncthreads();
+    load_tile<kind, false>(s0, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                           kChunk, kBwdTile, len, v_ok);
+    load_tile<kind, false>(s1, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                           kChunk, kBwdTile, len, kBwdTile);
+    load_tile<kind, false>(s2, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
+    load_tile<kind, false>(s3, ld, A.v + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                           kChunk, kBwdTile, len, v_ok);
+    __syncthreads();
+    warp_mma<kind, false, false, 8>(dP, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(dT, s2, ld, m0, s3, ld, 0, 0, kBwdTile, lane);
+  }
+  for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
+    const int k_ok = max(0, min(kBwdTile, d.K - k0));
+    __syncthreads();
+    load_tile<kind, false>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile<kind, false>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile<kind, false>(s2, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok,
+                           [sG](int r) { return exp(sG[r]); });
+    load_tile<kind, false>(s3, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    __syncthreads();
+    warp_mma<kind, false, false, 8>(QK, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(KK, s1, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(dT, s3, ld, m0, s2, ld, 0, 0, kBwdTile, lane);
+  }
+  // dP (masked, decayed, scaled), its dL/dG terms, L (into KK), dT' to 16 bits
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
+      const float gam = j <= i ? exp(sG[i] - sG[j]) : 0.f;
+      const float dp = d.scale * dP[nt][r] * gam;
+      sDP[i * ld + j] = float_to_bits<kind>(dp);
+      F2[i * ldF + j] = dp * QK[nt][r];
+      KK[nt][r] = j < i ? KK[nt][r] * gam : 0.f;
+      sDT[i * ld + j] = float_to_bits<kind>(dT[nt][r]);
+    }
+  __syncthreads();
+  float X[8][4] = {};  // T'^T dT'
+  warp_mma<kind, true, true, 8>(X, sT, ld, m0, sDT, ld, 0, 0, kChunk, lane);
+  __syncthreads();  // every warp has read dT'
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      sDT[acc_row(m0, r, lane) * ld + acc_col(nt, r, lane)] = float_to_bits<kind>(X[nt][r]);
+      X[nt][r] = 0.f;
+    }
+  __syncthreads();
+  warp_mma<kind, false, false, 8>(X, sDT, ld, m0, sT, ld, 0, 0, kChunk, lane);  // (T'^T dT') T'^T
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
+      const float dm = j < i ? -X[nt][r] : 0.f, dl = dm * sBeta[j], L = KK[nt][r];
+      F1[i * ldF + j] = dm * L;
+      F2[i * ldF + j] += dl * L;
+      sDA[i * ld + j] = float_to_bits<kind>(j < i ? dl * exp(sG[i] - sG[j]) : 0.f);
+    }
+  // dq += dP K;  dk += dP^T Q + (dA + dA^T) K + e^G o (T'^T dW')
+  float rk[2] = {0.f, 0.f};
+  for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
+    const int k_ok = max(0, min(kBwdTile, d.K - k0));
+    __syncthreads();
+    load_tile<kind, false>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile<kind, false>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile<kind, false>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    __syncthreads();
+    float aq[8][4] = {}, ak[8][4] = {}, akg[8][4] = {};
+    warp_mma<kind, false, true, 8>(aq, sDP, ld, m0, s1, ld, 0, 0, kChunk, lane);
+    warp_mma<kind, true, true, 8>(ak, sDP, ld, m0, s0, ld, 0, 0, kChunk, lane);
+    warp_mma<kind, false, true, 8>(ak, sDA, ld, m0, s1, ld, 0, 0, kChunk, lane);
+    warp_mma<kind, true, true, 8>(ak, sDA, ld, m0, s1, ld, 0, 0, kChunk, lane);
+    warp_mma<kind, true, true, 8>(akg, sT, ld, m0, s2, ld, 0, 0, kChunk, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(m0, r, lane), cl = acc_col(nt, r, lane), c = k0 + cl;
+        const float eg = exp(sG[i]);
+        rk[r / 2] += eg * bf_at<kind>(s1, i * ld + cl) * akg[nt][r];
+        if (i < len && c < d.K) {
+          const int64_t at = ((e.t0 + i) * d.HV + hv) * d.K + c;
+          B.dq[at] += aq[nt][r];
+          B.dk[at] += ak[nt][r] + eg * akg[nt][r];
+        }
+      }
+  }
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float s = quad_sum(rk[r2]);
+    if (lane % 4 == 0) sRow[acc_row(m0, 2 * r2, lane)] = s;
+  }
+  // dv = T'^T dvw
+  for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
+    __syncthreads();
+    load_tile<kind, false>(s0, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
+    __syncthreads();
+    float av[8][4] = {};
+    warp_mma<kind, true, true, 8>(av, sT, ld, m0, s0, ld, 0, 0, kChunk, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(m0, r, lane), c = v0 + acc_col(nt, r, lane);
+        if (i < len && c < d.V) B.dv[((e.t0 + i) * d.HV + hv) * d.V + c] = av[nt][r];
+      }
+  }
+  __syncthreads();
+  // dL/dG_i, dbeta_i (the tiles' parts in order), then dg = its reverse cumulative sum
+  const int i = threadIdx.x;
+  if (i < len) {
+    float dG = sRow[i], db = 0.f;
+    const int nkt = KP / kBwdTile;
+    for (int t = 0; t < nkt; ++t) dG += B.dg_part[(int64_t(t) * d.tokens + e.t0 + i) * d.HV + hv];
+    for (int t = 0; t < B.dbeta_tiles; ++t) {
+      db += B.dbeta_part[(int64_t(t) * d.tokens + e.t0 + i) * d.HV + hv];
+    }
+    for (int j = 0; j < kChunk; ++j) {
+      dG += F2[i * ldF + j] - F2[j * ldF + i];
+      db += F1[j * ldF + i];
+    }
+    B.dbeta[(e.t0 + i) * d.HV + hv] = db;
+    sRow[i] = dG;  // (its own entry: read above by this thread alone)
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float acc = 0.f;
+    for (int t = len - 1; t >= 0; --t) B.dg[(e.t0 + t) * d.HV + hv] = acc += sRow[t];
+  }
+}
+
+__host__ __device__ inline size_t wy_smem() {
+  return sizeof(float) * (3 * kChunk + 2 * kChunk * (kChunk + 1)) +
+         sizeof(uint16_t) * 8 * size_t(kChunk) * (kChunk + kPad);
+}
+
+}  // namespace rlx::gdn::cuda

@@ -1,0 +1,102 @@
+"""The chunked CUDA gated delta backward (csrc/cuda/gated_delta_chunk_bwd*.cuh, taken with
+RLX_CUDA_GATED_DELTA_CHUNKED=1 for a per-head gate and 16-bit inputs): against the token
+backward on the same forward outputs and the float64 reference, on T < 64, T = 64, T not a
+multiple of 64, ragged K and V, GVA with varlen and an empty sequence, g = -30, an initial
+state and chunk_size 128; and bitwise determinism. Needs a GPU: skips cleanly without one.
+(The chunked forward's tests, which now also run this backward, are in
+test_gated_delta_cuda.py.)"""
+
+import pytest
+import torch
+
+import rlx_torch
+from rlx_torch.ops import reference
+from rlx_torch.ops.gated_delta import unpack_gradients
+from tests.test_gated_delta_cuda import (
+    CUDA,
+    TOL,
+    _split,
+    compare,
+    cotangents,
+    forward_backward,
+    make_inputs,
+    to,
+)
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+CHUNKED_BWD_CASES = {  # the chunked backward: T < 64, = 64, not a multiple of 64, ragged K/V
+    "T20_state": dict(B=2, T=20, H=2, HV=2, K=32, V=32, state=True),
+    "T64": dict(B=1, T=64, H=1, HV=1, K=64, V=64),
+    "T1000_K128_state": dict(B=2, T=1000, H=2, HV=2, K=128, V=128, state=True),
+    "gva_varlen_empty": dict(B=1, T=700, H=1, HV=3, K=64, V=96, state=True,
+                             cu_seqlens=[0, 64, 64, 65, 400, 700]),
+    "ragged_kv_l2norm": dict(B=1, T=200, H=2, HV=2, K=40, V=70, normalize_k=False,
+                             use_qk_l2norm=True),
+    "large_kv": dict(B=1, T=300, H=1, HV=1, K=256, V=256, state=True),
+    "strong_decay": dict(B=1, T=300, H=1, HV=2, K=64, V=64, state=True, g_scale=30.0),
+    "chunk128": dict(B=1, T=300, H=1, HV=1, K=32, V=32, state=True, chunk_size=128),
+}
+
+
+def _op_grads(inputs, cot, chunk_size, l2, forward_chunked, backward_chunked, monkeypatch):
+    """The packed gradients of rlx::gated_delta_bwd, split, with the forward and the backward
+    each on the chunked path or not."""
+    x = inputs
+    eps = 1e-6 if l2 else None
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], x["cu_seqlens"])
+
+    def chunked(on):
+        if on:
+            monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+        else:
+            monkeypatch.delenv("RLX_CUDA_GATED_DELTA_CHUNKED", raising=False)
+
+    chunked(forward_chunked)
+    o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*args, chunk_size, eps)
+    chunked(backward_chunked)
+    do, dht = cot[0].to(CUDA, x["v"].dtype), cot[1].to(CUDA, torch.float32)
+    packed = torch.ops.rlx.gated_delta_bwd(*args, ckpt, do, dht, chunk_size, eps, vw)
+    grads = unpack_gradients(packed, x["q"], x["v"], x["g"], x["initial_state"], x["cu_seqlens"])
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
+    return {n: t for n, t in zip(names, grads, strict=True) if t is not None}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", CHUNKED_BWD_CASES)
+def test_chunked_backward_matches_token_backward_and_reference(case, dtype, monkeypatch):
+    """The chunked backward (RLX_CUDA_GATED_DELTA_CHUNKED=1) against the token backward on the
+    same forward outputs (the token forward's), and the chunked forward + backward against the
+    float64 reference."""
+    l2, kw = _split(CHUNKED_BWD_CASES[case])
+    chunk_size = kw.pop("chunk_size", 64)
+    g_scale = kw.pop("g_scale", None)
+    cpu_inputs = make_inputs(dtype=dtype, **kw)
+    if g_scale is not None:  # down to -g_scale per step: exp of cumulative gates would overflow
+        gen = torch.Generator().manual_seed(3)
+        cpu_inputs["g"] = -g_scale * torch.rand(cpu_inputs["g"].shape, generator=gen)
+    inputs = to(cpu_inputs, CUDA)
+    cot = cotangents(inputs)
+    token = _op_grads(inputs, cot, chunk_size, l2, False, False, monkeypatch)
+    chunked = _op_grads(inputs, cot, chunk_size, l2, False, True, monkeypatch)
+    compare(chunked, token, 1e-2 if dtype == torch.bfloat16 else 2e-3, f"{case}, {dtype}")
+    if kw.get("T", 0) <= 300:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+        ours = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2,
+                                chunk_size=chunk_size)
+        ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
+                               l2)
+        compare(ours, ref, TOL[dtype], f"{case}, {dtype} vs float64 reference")
+
+
+def test_chunked_backward_deterministic_bitwise(monkeypatch):
+    """Two runs of the chunked backward on the same inputs: bitwise equal gradients."""
+    inputs = to(make_inputs(B=1, T=700, H=1, HV=3, K=128, V=96, state=True,
+                            cu_seqlens=[0, 64, 64, 65, 400, 700], dtype=torch.bfloat16), CUDA)
+    cot = cotangents(inputs)
+    first = _op_grads(inputs, cot, 64, False, True, True, monkeypatch)
+    for _ in range(2):
+        again = _op_grads(inputs, cot, 64, False, True, True, monkeypatch)
+        for name in first:
+            assert torch.equal(first[name], again[name]), name
