@@ -143,6 +143,13 @@ struct CodebookAcc {
   at::Tensor cb, cbT;
   // transposed: also build cbT (the lookup-table kernels use it; the gather kernels do not).
   CodebookAcc(const at::Tensor& codebook, const Dims& d, bool transposed = true) {
+    if (!transposed && codebook.scalar_type() == c10::CppTypeToScalarType<acc_t>::value &&
+        codebook.is_contiguous()) {
+      // Already [M][E][D] in memory ([E][D] for M = 1): no torch calls, which are a visible
+      // part of a one-row forward right after a large GEMM has evicted their code and data.
+      cb = codebook;
+      return;
+    }
     auto c = codebook.reshape({d.num_codebooks, d.num_entries, d.entry_dim})
                  .to(c10::CppTypeToScalarType<acc_t>::value);
     cb = c.contiguous();
