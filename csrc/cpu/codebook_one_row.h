@@ -191,9 +191,9 @@ RLX_NO_SLP inline void gather_one_row_asm(const uint8_t* idx, int64_t row_stride
 #endif
 
 // The lookup-table forward for tiles of one batch row: out[b, j] = s_j * raw[b, j] + bias_j.
-template <typename scalar_t, typename acc_t, typename out_t>
 // cb: [M][E][D]; the tables' loop wants it as [M][D][E], transposed here into a kept buffer
 // (M*E*D <= a few thousand values) rather than by a torch copy in the host code.
+template <typename scalar_t, typename acc_t, typename out_t>
 void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc_t* cb,
                          const scalar_t* scales, const scalar_t* bias, out_t* out,
                          int64_t min_items) {
