@@ -5,6 +5,9 @@ q/k, gradcheck in float64, opcheck, torch.compile, determinism, the layer, the m
 fla's own kernels where fla can be imported. Needs a GPU: skips cleanly without one."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -481,27 +484,27 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008,
 
 @pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
                                                      (True, False)])
-def test_matches_fla(per_channel, chunked, monkeypatch):
+def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
     if chunked:
         monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     chunk_gdn, chunk_kda = _fla()
     if per_channel and chunk_kda is None:
         pytest.skip("this fla has no KDA kernel")
     B, T, H, K, V = 2, 1000, 4, 128, 128
-    inputs = to(make_inputs(B=B, T=T, H=H, HV=H, K=K, V=V, per_channel=per_channel,
-                            dtype=torch.bfloat16, state=True, normalize_k=False), CUDA)
+    inputs = make_inputs(B=B, T=T, H=H, HV=H, K=K, V=V, per_channel=per_channel,
+                         dtype=torch.bfloat16, state=True, normalize_k=False)
     cot = cotangents(inputs)
-    ours = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, use_qk_l2norm=True)
-
-    def fla_fn(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
-        fn = chunk_kda if per_channel else chunk_gdn
-        return fn(q, k, v, g, beta, initial_state=initial_state,
-                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                  use_qk_l2norm_in_kernel=use_qk_l2norm)
-
-    theirs = forward_backward(fla_fn, inputs, cot, use_qk_l2norm=True)
+    ours = forward_backward(rlx_torch.gated_delta_rule, to(inputs, CUDA), cot, use_qk_l2norm=True)
     ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
                            use_qk_l2norm=True)
+    theirs, crash = _fla_in_subprocess(per_channel, inputs, cot, tmp_path)
+    if crash is not None:
+        # ours is still held to fla's tolerances against the float64 reference
+        for name, tol in FLA_TOL.items():
+            err = rel_rms(ours[name], ref[name])
+            assert err <= tol, f"{name}: rel RMS {err:.4f} against float64 > {tol}"
+        pytest.skip(f"fla's kernel crashed on this GPU, so only the float64 reference was "
+                    f"compared: {crash}")
     # every error first, so that a failure shows the whole picture
     errs = {name: (rel_rms(ours[name], ref[name]), rel_rms(theirs[name], ref[name]),
                    rel_rms(ours[name], theirs[name])) for name in FLA_TOL}
@@ -515,6 +518,41 @@ def test_matches_fla(per_channel, chunked, monkeypatch):
         # against fla: within fla's tolerance on top of fla's own error
         assert err <= tol + fla_err, (
             f"{name}: rel RMS {err:.4f} against fla > {tol} + {fla_err:.4f} ({table})")
+
+
+def _fla_in_subprocess(per_channel, inputs, cot, tmp_path):
+    """fla's outputs and gradients, computed in a child process: an illegal memory access in
+    one of fla's kernels (seen with fla 0.4.2's chunk_kda backward on an H200, Triton 3.6)
+    leaves a process's CUDA context unusable. Returns (results, None), or (None, the crash's
+    last line) when the child died of a CUDA error; any other failure fails the test."""
+    src, dst = tmp_path / "fla_inputs.pt", tmp_path / "fla_outputs.pt"
+    torch.save({"inputs": inputs, "cot": cot}, src)
+    code = ("import sys; sys.path[:0] = sys.argv[1:3]; import test_gated_delta_cuda as m; "
+            "m._fla_child(sys.argv[3], sys.argv[4], sys.argv[5] == '1')")
+    here = Path(__file__).resolve().parent
+    proc = subprocess.run([sys.executable, "-c", code, str(here), str(here.parent), str(src),
+                           str(dst), "1" if per_channel else "0"],
+                          capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0:
+        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+        if any("CUDA" in ln and ("illegal" in ln or "misaligned" in ln) for ln in lines):
+            return None, lines[-1][:300]
+        pytest.fail(f"fla's side failed:\n{proc.stderr[-3000:]}")
+    return torch.load(dst), None
+
+
+def _fla_child(src, dst, per_channel):
+    chunk_gdn, chunk_kda = _fla()
+    saved = torch.load(src)
+
+    def fla_fn(q, k, v, g, beta, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+        fn = chunk_kda if per_channel else chunk_gdn
+        return fn(q, k, v, g, beta, initial_state=initial_state,
+                  output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                  use_qk_l2norm_in_kernel=use_qk_l2norm)
+
+    out = forward_backward(fla_fn, to(saved["inputs"], CUDA), saved["cot"], use_qk_l2norm=True)
+    torch.save({n: t.detach().cpu() for n, t in out.items()}, dst)
 
 
 def test_without_the_opt_in_the_cuda_kernels_raise(monkeypatch):
