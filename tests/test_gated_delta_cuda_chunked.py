@@ -34,7 +34,8 @@ CHUNKED_BWD_CASES = {  # the chunked backward: T < 64, = 64, not a multiple of 6
                              cu_seqlens=[0, 64, 64, 65, 400, 700]),
     "ragged_kv_l2norm": dict(B=1, T=200, H=2, HV=2, K=40, V=70, normalize_k=False,
                              use_qk_l2norm=True),
-    "large_kv": dict(B=1, T=300, H=1, HV=1, K=256, V=256, state=True),
+    # K = V = 256 runs the chunked forward and the token backward (gated_delta_backward.cu),
+    # as test_gated_delta_cuda.py checks
     "strong_decay": dict(B=1, T=300, H=1, HV=2, K=64, V=64, state=True, g_scale=30.0),
     "chunk128": dict(B=1, T=300, H=1, HV=1, K=32, V=32, state=True, chunk_size=128),
 }
