@@ -94,7 +94,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
         seq_out = []
         # One unbind per sequence rather than an index per token: the backward of `x[b, t]`
         # writes a zero tensor of x's whole size for every token, unbind's stacks once.
-        steps = zip(*(x[b, bos:eos].unbind(0) for x in (q, k, v, gate, beta)))
+        steps = zip(*(x[b, bos:eos].unbind(0) for x in (q, k, v, gate, beta)), strict=True)
         for q_t, k_t, v_t, g_t, beta_t in steps:
             S = S * g_t.exp().unsqueeze(-1)
             u = beta_t.unsqueeze(-1) * (v_t - torch.einsum("hk,hkv->hv", k_t, S))
