@@ -30,6 +30,13 @@ using namespace ::rlx::RLX_ISA_NS;  // vec.h
 #else
 #define RLX_UNROLL _Pragma("GCC unroll 16")
 #endif
+// Unrolls a loop over a run-time count by up to 16 (clang's plain "unroll" means a full unroll,
+// which it refuses, and -Werror makes that an error).
+#if defined(__clang__)
+#define RLX_UNROLL_BY_16 _Pragma("unroll 16")
+#else
+#define RLX_UNROLL_BY_16 _Pragma("GCC unroll 16")
+#endif
 
 // GCC's SLP vectorizer packs the one-row gather's JT scalar sums into a vector built lane by
 // lane from the table loads (vinsertps) and spills its registers; plain scalar adds measured

@@ -40,7 +40,7 @@
 #include <type_traits>
 
 #include "codebook_kernels.h"
-#include "codebook_lut.h"  // LineVector, RLX_UNROLL, RLX_NO_SLP, gather_block
+#include "codebook_lut.h"  // LineVector, RLX_UNROLL_BY_16, RLX_NO_SLP, gather_block
 #include "codebook_permute_lookup.h"
 #include "vec.h"
 
@@ -176,7 +176,7 @@ RLX_NO_SLP inline void gather_one_row_asm(const uint8_t* idx, int64_t row_stride
         add_8_lookups(ip + j * row_stride, T, acc[j]);
       }
     }
-    RLX_UNROLL
+    RLX_UNROLL_BY_16
     for (; j < n; ++j) add_8_lookups(ip + j * row_stride, T, acc[j]);
   }
   if (s < ns) {  // the last < 8 steps
