@@ -72,26 +72,28 @@ def test_wide_form_of_a_tall_batch_is_the_transposed_iteration(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("nesterov", [True, False])
-def test_fused_ops_transposed_layouts(dtype, nesterov):
+# (40, 18): whole 16 x 16 tiles of the transposing loops and tails in both directions
+@pytest.mark.parametrize("rows, cols", [(24, 8), (40, 18)])
+def test_fused_ops_transposed_layouts(dtype, nesterov, rows, cols):
     # muon_ns_input(transposed=True) writes each matrix as its transpose, and muon_apply_
     # reads a transposed view in place: both bit for bit the contiguous ops.
     gen = torch.Generator().manual_seed(3)
-    grads = [torch.randn(2, 24, 8, generator=gen), torch.randn(24, 8, generator=gen)]
+    grads = [torch.randn(2, rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)]
     bufs = [torch.randn(g.shape, generator=gen) for g in grads]
     out = {}
     for transposed in (False, True):
         b = [x.clone() for x in bufs]
-        out[transposed] = torch.ops.rlx.muon_ns_input(grads, b, 24, 8, 0.9, nesterov, 1e-7,
+        out[transposed] = torch.ops.rlx.muon_ns_input(grads, b, rows, cols, 0.9, nesterov, 1e-7,
                                                       1.02, dtype, transposed)
         out[transposed, "bufs"] = b
-    assert out[True].shape == (3, 8, 24)
+    assert out[True].shape == (3, cols, rows)
     torch.library.opcheck(torch.ops.rlx.muon_ns_input.default,
-                          ([g.clone() for g in grads], [b.clone() for b in bufs], 24, 8, 0.9,
+                          ([g.clone() for g in grads], [b.clone() for b in bufs], rows, cols, 0.9,
                            nesterov, 1e-7, 1.02, dtype, True))
     assert torch.equal(out[True], out[False].mT.contiguous())
     for b0, b1 in zip(out[False, "bufs"], out[True, "bufs"], strict=True):
         assert torch.equal(b0, b1)
-    ortho = out[True]  # [3, 8, 24]: the update of [24, 8] matrices, stored transposed
+    ortho = out[True]  # [3, cols, rows]: the update of [rows, cols] matrices, stored transposed
     params = {}
     for view in ("transposed", "contiguous"):
         params[view] = [x.clone() for x in grads]

@@ -44,7 +44,12 @@ inline void store_as(at::BFloat16* dst, float x) {
 // float32 unless it is below float32's normal range (a norm above about 8.5e37), then in
 // double, so that no digits are lost.
 // Element i = r * cols + c of a rows x cols matrix goes to x[i], or to x[c * rows + r] when
-// `rows` > 0 (the transpose: Newton-Schulz iterates tall matrices in their wide form).
+// `rows` > 0 (the transpose: Newton-Schulz iterates tall matrices in their wide form). The
+// transpose goes through kTile x kTile tiles: values computed row by row (vectorized along
+// c), then stored column by column, so both sides touch whole cache lines (element by element
+// it ran at a third of the speed of the plain store).
+constexpr int64_t kTile = 16;
+
 template <typename out_t, typename F>
 inline void store_matrix(out_t* __restrict x, int64_t n, int64_t rows, F value) {
   if (rows <= 0) {
@@ -52,8 +57,19 @@ inline void store_matrix(out_t* __restrict x, int64_t n, int64_t rows, F value) 
     return;
   }
   const int64_t cols = n / rows;
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) store_as(x + c * rows + r, value(r * cols + c));
+  float tile[kTile][kTile];
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    const int64_t nr = std::min(kTile, rows - r0);
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      const int64_t nc = std::min(kTile, cols - c0);
+      for (int64_t r = 0; r < nr; ++r) {
+        for (int64_t c = 0; c < nc; ++c) tile[r][c] = value((r0 + r) * cols + c0 + c);
+      }
+      for (int64_t c = 0; c < nc; ++c) {
+        out_t* dst = x + (c0 + c) * rows + r0;
+        for (int64_t r = 0; r < nr; ++r) store_as(dst + r, tile[r][c]);
+      }
+    }
   }
 }
 
@@ -152,10 +168,21 @@ void muon_apply_rows(const MatrixIndex& index, float* const* params, const in_t*
         for (int64_t i = 0; i < index.size; ++i) p[i] = decay * p[i] - step * to_float(o[i]);
         continue;
       }
-      const int64_t cols = index.size / rows;  // o holds the matrix as its transpose
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t c = 0; c < cols; ++c) {
-          p[r * cols + c] = decay * p[r * cols + c] - step * to_float(o[c * rows + r]);
+      // o holds the matrix as its transpose: read in tiles, as store_matrix writes it.
+      const int64_t cols = index.size / rows;
+      float tile[kTile][kTile];
+      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+        const int64_t nr = std::min(kTile, rows - r0);
+        for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+          const int64_t nc = std::min(kTile, cols - c0);
+          for (int64_t c = 0; c < nc; ++c) {
+            const in_t* src = o + (c0 + c) * rows + r0;
+            for (int64_t r = 0; r < nr; ++r) tile[r][c] = to_float(src[r]);
+          }
+          for (int64_t r = 0; r < nr; ++r) {
+            float* pr = p + (r0 + r) * cols + c0;
+            for (int64_t c = 0; c < nc; ++c) pr[c] = decay * pr[c] - step * tile[r][c];
+          }
         }
       }
     }
