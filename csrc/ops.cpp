@@ -66,6 +66,11 @@ TORCH_LIBRARY(rlx, m) {
       " bool transposed=False, float diag=0.0) -> Tensor");
   // Whether this CPU runs symmetric_matmul natively (AVX512-BF16); else it is a fallback.
   m.def("symmetric_matmul_is_native() -> bool");
+  // The whole bf16 Newton–Schulz iteration of Muon for wide X [N, m, n] (m <= n, multiples
+  // of 32), one (a, b, c) per step (csrc/cpu/newton_schulz_amx.cpp); returns the new X.
+  m.def("newton_schulz_amx(Tensor X, float[] coefficients) -> Tensor");
+  // Whether this CPU runs newton_schulz_amx on AMX tiles; else it is a bmm fallback.
+  m.def("newton_schulz_amx_is_native() -> bool");
   // ---- fused elementwise parts of a Muon step (csrc/cpu/muon_update.cpp) ----
   // Updates bufs (momentum), returns the normalized NS input [matrices, rows, cols] in dtype;
   // transposed: each matrix written as its transpose, [matrices, cols, rows].

@@ -9,10 +9,10 @@ picked once per process.
   results of another; on an AVX-512 CPU this compares the AVX-512 copy with the AVX2 and the
   baseline ones, on an AVX2 CPU the AVX2 copy with the baseline one;
 * in the built library, every function with AVX instructions belongs to an AVX2 or AVX-512
-  copy (namespaces isa_avx2, isa_avx512) or to symmetric_matmul's AVX512 path
-  (isa_avx512bf16): no inline function of torch or the standard library, nothing run before
-  the dispatch, was compiled for AVX2 (objdump), and 512-bit registers appear only in
-  isa_avx512 and isa_avx512bf16 functions.
+  copy (namespaces isa_avx2, isa_avx512), to symmetric_matmul's AVX512 path
+  (isa_avx512bf16) or to newton_schulz_amx's AMX path (isa_amx): no inline function of torch
+  or the standard library, nothing run before the dispatch, was compiled for AVX2 (objdump),
+  and 512-bit registers appear only in isa_avx512, isa_avx512bf16 and isa_amx functions.
 """
 
 import importlib
@@ -221,8 +221,8 @@ def _library() -> str:
 _FUNCTION = re.compile(r"^[0-9a-f]+ <(.*)>:$")
 _VEX = re.compile(r"^\s*[0-9a-f]+:\s+(vzeroupper|v[a-z0-9]+\s.*%[xyz]mm|.*%[yz]mm)")
 _ZMM = re.compile(r"%zmm|%k[0-7]")
-_ALLOWED = ("isa_avx2::", "isa_avx512::", "isa_avx512bf16::")
-_ALLOWED_512 = ("isa_avx512::", "isa_avx512bf16::")
+_ALLOWED = ("isa_avx2::", "isa_avx512::", "isa_avx512bf16::", "isa_amx::")
+_ALLOWED_512 = ("isa_avx512::", "isa_avx512bf16::", "isa_amx::")
 
 
 def _functions_with_avx(lib: str) -> tuple[dict[str, int], set[str]]:

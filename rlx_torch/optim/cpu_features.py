@@ -4,8 +4,9 @@
   (x86 AVX512-BF16 or AMX, Arm's BF16 extension); elsewhere bf16 matmuls are emulated through
   float32 and are slower than float32 ones, so float32 is the default there.
 - The symmetric bf16 products (`rlx::symmetric_matmul`, about half the work of a full product)
-  are used on AVX512-BF16 CPUs without AMX. With AMX, oneDNN's bf16 `bmm` runs on the tile
-  units at several times the AVX512-BF16 rate, so plain `bmm` wins there.
+  are used on AVX512-BF16 CPUs without AMX. With AMX the products run on the tile units at
+  several times the AVX512-BF16 rate: there the whole iteration of each matrix runs in
+  `rlx::newton_schulz_amx` (shapes it takes), otherwise through oneDNN's `bmm`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["CpuFeatures", "cpu_features", "native_bf16", "symmetric_kernel_pays"]
+__all__ = ["CpuFeatures", "amx_kernel_pays", "cpu_features", "native_bf16",
+           "symmetric_kernel_pays"]
 
 
 @dataclass(frozen=True)
@@ -141,3 +143,17 @@ def symmetric_kernel_pays() -> bool:
     except (AttributeError, RuntimeError):  # the compiled extension is not loaded
         native = False
     return native and not cpu_features().amx
+
+
+@functools.cache
+def amx_kernel_pays() -> bool:
+    """Whether bf16 Newton–Schulz runs in `rlx::newton_schulz_amx` on AMX tiles (the extension
+    is loaded and its AMX path runs on this CPU).
+
+    >>> isinstance(amx_kernel_pays(), bool)
+    True
+    """
+    try:
+        return bool(torch.ops.rlx.newton_schulz_amx_is_native())
+    except (AttributeError, RuntimeError):  # the compiled extension is not loaded
+        return False

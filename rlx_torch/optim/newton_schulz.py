@@ -11,9 +11,11 @@ all singular values start in [0, 1]). Every matrix of the batch is independent: 
 
 On CPU, float32 and float64 matrices with an aspect ratio of at least 2 run the same
 iteration in its Gram form (`_gram_iterations`), which needs far fewer FLOPs (never in 16-bit
-dtypes: `uses_gram`), and on CPUs with AVX512-BF16 the bf16 products with symmetric results
-go through `rlx::symmetric_matmul` (`_Products`), which computes only their upper triangle;
-see docs/optim.md.
+dtypes: `uses_gram`). On CPUs with AMX the whole bf16 iteration of wide matrices with sides
+that are multiples of 32 runs in `rlx::newton_schulz_amx` (`uses_amx`); on CPUs with
+AVX512-BF16 and no AMX the bf16 products with symmetric results go through
+`rlx::symmetric_matmul` (`_Products`), which computes only their upper triangle; see
+docs/optim.md.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .cpu_features import symmetric_kernel_pays
+from .cpu_features import amx_kernel_pays, symmetric_kernel_pays
 
-__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule"]
+__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule", "uses_amx"]
 
 Triple = tuple[float, float, float]
 
@@ -292,7 +294,24 @@ class _Products:
         return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
 
 
+def uses_amx(shape: Sequence[int], device: torch.device, dtype: torch.dtype,
+             method: str = "auto") -> bool:
+    """Whether the standard bf16 iteration of matrices of `shape` (as iterated: wide) runs in
+    `rlx::newton_schulz_amx`: on CPUs with AMX (`amx_kernel_pays`), for m <= n, both
+    multiples of 32.
+
+    >>> uses_amx((256, 1024), torch.device("cuda"), torch.bfloat16)
+    False
+    """
+    m, n = shape[-2:]
+    return (device.type == "cpu" and dtype == torch.bfloat16 and method != "gram"
+            and 0 < m <= n and m % 32 == 0 and n % 32 == 0 and amx_kernel_pays())
+
+
 def _iterate(X, schedule, tall, products, method):
+    if not tall and uses_amx(X.shape, X.device, X.dtype, method):
+        coefficients = [v for step in schedule.coefficients for v in step]
+        return torch.ops.rlx.newton_schulz_amx(X.contiguous(), coefficients)
     if uses_gram(X.shape, X.device, method, X.dtype):
         return _gram_iterations(X, schedule, tall, products)
     for a, b, c in schedule.coefficients:
