@@ -294,18 +294,25 @@ class _Products:
         return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
 
 
+# The AMX op runs each matrix on one core with its working set (about 4·m·n + 6·m² bytes) in
+# that core's L2; up to 2^18 elements (256 x 1024, 512 x 512) it beat oneDNN's bmm on the
+# Xeon with AMX (1.2-2.5x), from 2^20 on it lost (0.33-0.75x; docs/optim.md).
+AMX_MAX_ELEMENTS = 1 << 18
+
+
 def uses_amx(shape: Sequence[int], device: torch.device, dtype: torch.dtype,
              method: str = "auto") -> bool:
     """Whether the standard bf16 iteration of matrices of `shape` (as iterated: wide) runs in
     `rlx::newton_schulz_amx`: on CPUs with AMX (`amx_kernel_pays`), for m <= n, both
-    multiples of 32.
+    multiples of 32, at most AMX_MAX_ELEMENTS per matrix.
 
     >>> uses_amx((256, 1024), torch.device("cuda"), torch.bfloat16)
     False
     """
     m, n = shape[-2:]
     return (device.type == "cpu" and dtype == torch.bfloat16 and method != "gram"
-            and 0 < m <= n and m % 32 == 0 and n % 32 == 0 and amx_kernel_pays())
+            and 0 < m <= n and m % 32 == 0 and n % 32 == 0 and m * n <= AMX_MAX_ELEMENTS
+            and amx_kernel_pays())
 
 
 def _iterate(X, schedule, tall, products, method):
