@@ -12,6 +12,8 @@
 ``rlx::newton_schulz_amx_is_native() -> bool``: whether the AMX path runs on this CPU.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 __all__ = ["newton_schulz_amx"]
@@ -24,7 +26,8 @@ def _newton_schulz_amx_fake(X, coefficients):
     return torch.empty_like(X, memory_format=torch.contiguous_format)
 
 
-def newton_schulz_amx(X: torch.Tensor, coefficients) -> torch.Tensor:
+def newton_schulz_amx(X: torch.Tensor,
+                      coefficients: Sequence[Sequence[float]]) -> torch.Tensor:
     """The bf16 Newton–Schulz iteration of the wide matrices X (``[N, m, n]``) with one
     ``(a, b, c)`` per step; see the module docstring.
 

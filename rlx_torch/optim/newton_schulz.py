@@ -28,7 +28,7 @@ import torch
 
 from .cpu_features import amx_kernel_pays, symmetric_kernel_pays
 
-__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule", "uses_amx"]
+__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule"]
 
 Triple = tuple[float, float, float]
 
