@@ -147,8 +147,11 @@ class DistributedMuon(Muon):
                         group, shards)))
         if not self._checked:
             if has_plain_muon:
+                # The params' shapes too: X holds a tall batch transposed where it is iterated
+                # wide, so [6, 4] on one rank and [4, 6] on another give the same X.
                 self._check_same_everywhere(
-                    [(tuple(job.X.shape), str(job.ns_dtype)) for job in jobs], self.process_group)
+                    [(tuple(job.X.shape), tuple(job.params[0].shape), str(job.ns_dtype))
+                     for job in jobs], self.process_group)
             if self.mesh is not None:
                 self._check_same_everywhere(
                     [(sum(j.counts), j.rows, j.cols, str(j.ns_dtype)) for j in sharded],
