@@ -8,6 +8,10 @@ rows split into parts when K is one chunk, E < 256, several codebooks, index row
 length (unaligned 8-byte code loads), and codes at both ends of the table (0 and E - 1).
 """
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -140,3 +144,31 @@ def test_one_row_rows_agree_with_the_batched_kernel():
     alone = torch.cat([rlx_torch.codebook_matmul(x[i:i + 1], idx, cb, s, b) for i in range(3)])
     batched = rlx_torch.codebook_matmul(x, idx, cb, s, b)[:3]
     torch.testing.assert_close(alone, batched, rtol=1e-5, atol=1e-4)
+
+
+def test_byte_plane_lookups_give_the_float_permutes_bits(tmp_path):
+    # On CPUs with AVX-512 VBMI the one-row gather looks up 64 rows at a time through the
+    # tables' byte planes (csrc/cpu/codebook_byte_lookup.h); RLX_NO_VBMI=1 keeps the float
+    # permutes. Both sum each row in step order: the same bits, for every shape (whole 64-row
+    # blocks, the rows after them, E < 256, several codebooks).
+    code = (
+        "import sys, torch, rlx_torch\n"
+        "from tests.test_codebook_one_row import SHAPES, make\n"
+        "outs = []\n"
+        "for shape in SHAPES:\n"
+        "    x, idx, cb, s, b = make(*shape)\n"
+        "    outs.append(torch.ops.rlx.codebook_matmul(x, idx, cb, s, b))\n"
+        "torch.save(outs, sys.argv[1])\n"
+    )
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    results = {}
+    for flag in ("0", "1"):
+        path = tmp_path / f"vbmi_off_{flag}.pt"
+        env = dict(os.environ, RLX_NO_VBMI=flag, PYTHONPATH=root)
+        child = subprocess.run([sys.executable, "-c", code, str(path)], env=env, cwd=root,
+                               capture_output=True, text=True, timeout=600)
+        assert child.returncode == 0, child.stderr[-3000:]
+        results[flag] = torch.load(path)
+    for shape, a, b in zip(SHAPES, results["0"], results["1"], strict=True):
+        assert torch.equal(a, b), shape
+        check(a, *make(*shape))

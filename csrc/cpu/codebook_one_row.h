@@ -41,7 +41,7 @@
 
 #include "codebook_kernels.h"
 #include "codebook_lut.h"  // LineVector, RLX_UNROLL_BY_16, RLX_NO_SLP, gather_block
-#include "codebook_permute_lookup.h"
+#include "codebook_byte_lookup.h"
 #include "vec.h"
 
 #if RLX_ISA_AVX && !RLX_ISA_AVX512 && defined(__x86_64__) && \
@@ -229,6 +229,10 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
     acc_t* L = table_buf.get(kept_table, p.gpi * M * S);
     acc_t* own = p.chunks > 1 ? nullptr : acc_buf.get(kept_acc, p.part_rows);
     int64_t built = -1;  // the (row, chunk) whose tables L holds
+#if RLX_ISA_AVX512
+    thread_local LineVector<uint32_t> kept_planes;  // L's byte planes (codebook_byte_lookup.h)
+    const __m512i* planes = nullptr;
+#endif
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       const int64_t part = w % p.parts, bc = w / p.parts;  // bc = b * chunks + chunk
       const int64_t b = bc / p.chunks, chunk = bc % p.chunks;
@@ -236,6 +240,11 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
       const int64_t j0 = part * p.part_rows, j1 = std::min(N, j0 + p.part_rows);
       if (bc != built) {
         build_one_row_tables<scalar_t, acc_t>(d, cbT, x + b * K, g0, ng, S, L);
+#if RLX_ISA_AVX512
+        if constexpr (std::is_same_v<acc_t, float>) {
+          planes = one_row_planes(d, L, ng * M, kept_planes);
+        }
+#endif
         built = bc;
       }
       acc_t* acc = partial ? partial + bc * N + j0 : own;
@@ -248,7 +257,7 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
         } else {
 #if RLX_ISA_AVX512
           if constexpr (std::is_same_v<acc_t, float>) {
-            gather_one_row_permute(d, idx, L, g0, ng, r0, r1, a);
+            gather_one_row_avx512(d, idx, L, planes, g0, ng, r0, r1, a);
           } else
 #endif
           {

@@ -16,8 +16,9 @@
 // ignore the bytes above it.
 //
 // Accumulation order: for each output row, the sum runs over the steps in order, starting
-// from acc, as the other copies' one-row gathers do (codebook_one_row.h, which calls this
-// with its tables, stride E, per 512-row chunk of a 64-step work item).
+// from acc, as the other copies' one-row gathers do (codebook_one_row.h calls this, through
+// gather_one_row_avx512 of codebook_byte_lookup.h, with its tables, stride E, per 512-row chunk
+// of a 64-step work item; on CPUs with VBMI only for the rows after the last whole 64).
 #pragma once
 
 #include <rlx/codebook.h>
@@ -155,15 +156,6 @@ void gather_one_row_permute_impl(const Dims& d, const uint8_t* idx, const float*
     const uint8_t* ip = idx + j * row_stride + g0 * M;
     for (int64_t s = 0; s < steps; ++s) a += L[s * E + ip[s]];
     acc[j - j0] = a;
-  }
-}
-
-inline void gather_one_row_permute(const Dims& d, const uint8_t* idx, const float* L, int64_t g0,
-                                   int64_t ng, int64_t j0, int64_t j1, float* acc) {
-  if (d.num_entries >= 256) {
-    gather_one_row_permute_impl<true>(d, idx, L, g0, ng, j0, j1, acc);
-  } else {
-    gather_one_row_permute_impl<false>(d, idx, L, g0, ng, j0, j1, acc);
   }
 }
 
