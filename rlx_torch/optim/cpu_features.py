@@ -1,4 +1,5 @@
-"""What the CPU offers Muon's Newton–Schulz: the facts that decide its dtype and kernels.
+"""What the CPU offers Muon's Newton–Schulz (and the benchmarks' reports): the facts that
+decide its dtype and kernels.
 
 - bf16 Newton–Schulz is the CPU default only where the CPU has native bf16 arithmetic
   (x86 AVX512-BF16 or AMX, Arm's BF16 extension); elsewhere bf16 matmuls are emulated through
@@ -42,6 +43,7 @@ class CpuFeatures:
     amx: bool
     neon: bool
     arm_bf16: bool
+    avx512_vbmi: bool = False  # byte permutes: the codebook forward's one-row lookups
 
     def summary(self) -> str:
         """One line: the model, the architecture and the features present.
@@ -53,7 +55,8 @@ class CpuFeatures:
             'AMD EPYC 7B13 (x86_64): AVX2'
         """
         names = [n.upper().replace("_", "-") for n in
-                 ("avx2", "avx512", "avx512_bf16", "amx", "neon", "arm_bf16") if getattr(self, n)]
+                 ("avx2", "avx512", "avx512_vbmi", "avx512_bf16", "amx", "neon", "arm_bf16")
+                 if getattr(self, n)]
         return f"{self.model} ({self.arch}): {', '.join(names) or 'no SIMD features detected'}"
 
 
@@ -96,8 +99,9 @@ def cpu_features() -> CpuFeatures:
     model = info.get("model name") or info.get("CPU part") or platform.processor() or arch
     x86 = arch in ("x86_64", "amd64", "i686", "x86")
     arm = arch in ("aarch64", "arm64")
-    avx2 = avx512 = avx512_bf16 = amx = neon = arm_bf16 = False
+    avx2 = avx512 = avx512_bf16 = amx = neon = arm_bf16 = vbmi = False
     if x86:
+        vbmi = "avx512vbmi" in flags
         cpu = torch.cpu
         avx2 = bool(cpu._is_avx2_supported()) if hasattr(cpu, "_is_avx2_supported") else (
             "avx2" in flags)
@@ -117,7 +121,8 @@ def cpu_features() -> CpuFeatures:
     if os.environ.get("RLX_NO_AVX512_BF16") == "1":  # the extension's switch, seen alike here
         avx512_bf16 = False
     return CpuFeatures(model=model, arch=arch, avx2=avx2, avx512=avx512,
-                       avx512_bf16=avx512_bf16, amx=amx, neon=neon, arm_bf16=arm_bf16)
+                       avx512_bf16=avx512_bf16, amx=amx, neon=neon, arm_bf16=arm_bf16,
+                       avx512_vbmi=vbmi)
 
 
 def native_bf16() -> bool:
