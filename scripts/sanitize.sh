@@ -48,8 +48,8 @@ status=0
   "$ROOT/tests/test_gated_delta.py" "$ROOT/tests/test_gated_delta_contract.py" \
   "$ROOT/tests/test_gated_delta_properties.py" "$ROOT/tests/test_codebook.py" \
   "$ROOT/tests/test_codebook_16bit.py" "$ROOT/tests/test_codebook_packed.py" \
-  "$ROOT/tests/test_codebook_properties.py" \
-  "$ROOT/tests/test_symmetric_matmul.py" \
+  "$ROOT/tests/test_codebook_properties.py" "$ROOT/tests/test_codebook_one_row.py" \
+  "$ROOT/tests/test_symmetric_matmul.py" "$ROOT/tests/test_newton_schulz_amx.py" \
   -k "not compile and not dynamic" "$@") || status=$?
 unset LD_PRELOAD
 if [ -n "$(ls -A "$REPORTS")" ]; then
