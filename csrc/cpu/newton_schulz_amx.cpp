@@ -1,15 +1,16 @@
 // Muon's bf16 Newton–Schulz iteration on AMX tiles (rlx_torch/optim/newton_schulz.py):
 //   for each step (a, b, c):  A = X X^T,  P = a I + b A + c A A,  X <- P X,
 // for batches of wide bf16 matrices X [N, m, n] (m <= n, both multiples of 32), every product
-// computed from bf16 values with float32 sums and rounded to bf16 once (P in one rounding:
-// a I + b A + c (A A) is formed in float32), as the bmm path of the iteration does.
+// computed from bf16 values with float32 sums and rounded to bf16 once, as in the bmm path of
+// the iteration; P is formed in float32 and rounded once (the bmm path rounds b A + c A A,
+// then adds a I in bf16).
 //
 // Why a kernel of its own: through torch ops a step is three bmm calls, a diagonal add and the
 // operands' reorders per call, with the batch leaving the caches between ops; oneDNN's bf16
 // bmm reaches about a third of the AMX peak at Muon's shapes (m = 256). Here one thread runs
-// the whole iteration of one matrix, whose working set (X, its two packed forms, A, P: 2.5 MiB
-// at most for 256 x 1024, less than half that for 256 x 256) stays in that core's caches, and
-// each product is a loop of 32 x 32 output blocks over 2 x 2 tiles.
+// the whole iteration of one matrix, whose working set (X and A in tile order, their packed
+// right-operand forms, P: 4 m n + 6 m^2 bytes, 1.4 MiB for 256 x 1024) stays in that core's
+// caches, and each product is a loop of 32 x 32 output blocks over 2 x 2 tiles.
 //
 // AMX operands: tdpbf16ps multiplies a tile of 16 rows x 32 bf16 (A, k along the row) with a
 // tile of 16 k pairs x 16 columns (B, "VNNI": each 32-bit element holds the bf16 values of
@@ -327,34 +328,33 @@ at::Tensor newton_schulz_amx_cpu(const at::Tensor& X, at::ArrayRef<double> coeff
   TORCH_CHECK(coefficients.size() % 3 == 0, op,
               ": coefficients must hold (a, b, c) per step, got ", coefficients.size(),
               " numbers");
-  if (!amx_ready() || N == 0 || m == 0 || coefficients.empty()) {
-    // The same arithmetic: bf16 operands, float32 sums, one rounding to bf16 per product
-    // (for P after a I + b A + c A A is formed).
-    at::Tensor x = X.clone(at::MemoryFormat::Contiguous);
-    for (size_t step = 0; step < coefficients.size(); step += 3) {
-      const at::Tensor xf = x.to(at::kFloat);
-      const at::Tensor A = at::bmm(xf, xf.mT()).to(at::kBFloat16).to(at::kFloat);
-      at::Tensor P = at::baddbmm(A, A, A, coefficients[step + 1], coefficients[step + 2]);
-      P.diagonal(0, -2, -1).add_(coefficients[step]);
-      x = at::bmm(P.to(at::kBFloat16).to(at::kFloat), xf).to(at::kBFloat16);
-    }
-    return x;
-  }
 #if RLX_HAVE_AMX_PATH
-  at::Tensor out = X.clone(at::MemoryFormat::Contiguous);
-  auto* po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  const std::vector<double> coefs(coefficients.begin(), coefficients.end());
-  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    // Kept per thread: fresh buffers (up to 1.3 MiB) would be page-faulted in on every call.
-    static thread_local isa_amx::Scratch s;
-    isa_amx::configure_tiles();
-    for (int64_t i = begin; i < end; ++i) isa_amx::iterate(po + i * m * n, m, n, coefs, s);
-    isa_amx::release_tiles();
-  });
-  return out;
-#else
-  return X;  // not reached: amx_ready() is false without the AMX path
+  if (amx_ready() && N > 0 && !coefficients.empty()) {
+    at::Tensor out = X.clone(at::MemoryFormat::Contiguous);
+    auto* po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+    const std::vector<double> coefs(coefficients.begin(), coefficients.end());
+    at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+      // Kept per thread: fresh buffers (1.4 MiB for 256 x 1024) would be page-faulted in on
+      // every call.
+      static thread_local isa_amx::Scratch s;
+      isa_amx::configure_tiles();
+      for (int64_t i = begin; i < end; ++i) isa_amx::iterate(po + i * m * n, m, n, coefs, s);
+      isa_amx::release_tiles();
+    });
+    return out;
+  }
 #endif
+  // The same arithmetic through bmm: bf16 operands, float32 sums, one rounding to bf16 per
+  // product (for P after a I + b A + c A A is formed).
+  at::Tensor x = X.clone(at::MemoryFormat::Contiguous);
+  for (size_t step = 0; step < coefficients.size(); step += 3) {
+    const at::Tensor xf = x.to(at::kFloat);
+    const at::Tensor A = at::bmm(xf, xf.mT()).to(at::kBFloat16).to(at::kFloat);
+    at::Tensor P = at::baddbmm(A, A, A, coefficients[step + 1], coefficients[step + 2]);
+    P.diagonal(0, -2, -1).add_(coefficients[step]);
+    x = at::bmm(P.to(at::kBFloat16).to(at::kFloat), xf).to(at::kBFloat16);
+  }
+  return x;
 }
 
 bool newton_schulz_amx_is_native() { return amx_ready(); }
