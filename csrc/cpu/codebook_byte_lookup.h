@@ -171,10 +171,7 @@ inline const __m512i* one_row_planes(const Dims& d, const float* L, int64_t step
   if (!cpu_has_vbmi()) return nullptr;
   const int64_t E = d.num_entries;
   __mmask16 part_mask[16];
-  for (int q = 0; q < 16; ++q) {
-    const int64_t left = E - 16 * q;
-    part_mask[q] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : (__mmask16(1) << left) - 1;
-  }
+  entry_masks(E, part_mask);
   if (out.size() < size_t(steps * 256)) out.resize(steps * 256);
   auto* planes = reinterpret_cast<__m512i*>(out.data());
   if (E >= 256) {

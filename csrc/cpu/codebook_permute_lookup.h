@@ -50,6 +50,14 @@ inline __m512 table_part(const float* table, int q, const __mmask16* part_mask) 
   }
 }
 
+// part_mask[q]: the entries 16q .. 16q + 15 that exist in a table of E.
+inline void entry_masks(int64_t E, __mmask16 (&part_mask)[16]) {
+  for (int q = 0; q < 16; ++q) {
+    const int64_t left = E - 16 * q;
+    part_mask[q] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : (__mmask16(1) << left) - 1;
+  }
+}
+
 // lane i: table[codes_i & 255] (codes_i's bits above 7 are ignored).
 template <bool kFull>
 inline __m512 lookup16(const float* table, __m512i codes, const __mmask16* part_mask) {
@@ -111,10 +119,7 @@ void gather_one_row_permute_impl(const Dims& d, const uint8_t* idx, const float*
   const int64_t M = d.num_codebooks, E = d.num_entries, row_stride = d.groups * M;
   const int64_t steps = ng * M;
   __mmask16 part_mask[16];
-  for (int q = 0; q < 16; ++q) {
-    const int64_t left = E - 16 * q;
-    part_mask[q] = left >= 16 ? __mmask16(0xffff) : left <= 0 ? 0 : (__mmask16(1) << left) - 1;
-  }
+  entry_masks(E, part_mask);
   constexpr int64_t kAhead = 32;  // rows prefetched ahead (see prefetch_rows)
   int64_t j = j0;
   for (; j + 16 <= j1; j += 16) {

@@ -50,6 +50,16 @@ inline void store_as(at::BFloat16* dst, float x) {
 // it ran at a third of the speed of the plain store).
 constexpr int64_t kTile = 16;
 
+// f(r0, nr, c0, nc) for the kTile x kTile tiles (short at the edges) of a rows x cols matrix.
+template <typename F>
+inline void for_each_tile(int64_t rows, int64_t cols, F f) {
+  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
+    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
+      f(r0, std::min(kTile, rows - r0), c0, std::min(kTile, cols - c0));
+    }
+  }
+}
+
 template <typename out_t, typename F>
 inline void store_matrix(out_t* __restrict x, int64_t n, int64_t rows, F value) {
   if (rows <= 0) {
@@ -58,19 +68,15 @@ inline void store_matrix(out_t* __restrict x, int64_t n, int64_t rows, F value) 
   }
   const int64_t cols = n / rows;
   float tile[kTile][kTile];
-  for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-    const int64_t nr = std::min(kTile, rows - r0);
-    for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-      const int64_t nc = std::min(kTile, cols - c0);
-      for (int64_t r = 0; r < nr; ++r) {
-        for (int64_t c = 0; c < nc; ++c) tile[r][c] = value((r0 + r) * cols + c0 + c);
-      }
-      for (int64_t c = 0; c < nc; ++c) {
-        out_t* dst = x + (c0 + c) * rows + r0;
-        for (int64_t r = 0; r < nr; ++r) store_as(dst + r, tile[r][c]);
-      }
+  for_each_tile(rows, cols, [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+    for (int64_t r = 0; r < nr; ++r) {
+      for (int64_t c = 0; c < nc; ++c) tile[r][c] = value((r0 + r) * cols + c0 + c);
     }
-  }
+    for (int64_t c = 0; c < nc; ++c) {
+      out_t* dst = x + (c0 + c) * rows + r0;
+      for (int64_t r = 0; r < nr; ++r) store_as(dst + r, tile[r][c]);
+    }
+  });
 }
 
 template <bool kSmallW, bool kSmallMomentum, bool kNesterov, typename out_t>
@@ -171,20 +177,16 @@ void muon_apply_rows(const MatrixIndex& index, float* const* params, const in_t*
       // o holds the matrix as its transpose: read in tiles, as store_matrix writes it.
       const int64_t cols = index.size / rows;
       float tile[kTile][kTile];
-      for (int64_t r0 = 0; r0 < rows; r0 += kTile) {
-        const int64_t nr = std::min(kTile, rows - r0);
-        for (int64_t c0 = 0; c0 < cols; c0 += kTile) {
-          const int64_t nc = std::min(kTile, cols - c0);
-          for (int64_t c = 0; c < nc; ++c) {
-            const in_t* src = o + (c0 + c) * rows + r0;
-            for (int64_t r = 0; r < nr; ++r) tile[r][c] = to_float(src[r]);
-          }
-          for (int64_t r = 0; r < nr; ++r) {
-            float* pr = p + (r0 + r) * cols + c0;
-            for (int64_t c = 0; c < nc; ++c) pr[c] = decay * pr[c] - step * tile[r][c];
-          }
+      for_each_tile(rows, cols, [&](int64_t r0, int64_t nr, int64_t c0, int64_t nc) {
+        for (int64_t c = 0; c < nc; ++c) {
+          const in_t* src = o + (c0 + c) * rows + r0;
+          for (int64_t r = 0; r < nr; ++r) tile[r][c] = to_float(src[r]);
         }
-      }
+        for (int64_t r = 0; r < nr; ++r) {
+          float* pr = p + (r0 + r) * cols + c0;
+          for (int64_t c = 0; c < nc; ++c) pr[c] = decay * pr[c] - step * tile[r][c];
+        }
+      });
     }
   });
 }
