@@ -273,7 +273,7 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
   const int64_t M = d.num_codebooks, E = d.num_entries;
   if (B == 0 || N == 0) return;
   const int64_t num_tiles = ceil_div(B, BT);
-  const int64_t gpb = groups_per_block(d, BT, sizeof(acc_t));
+  const int64_t gpb = groups_per_block(d, BT, sizeof(acc_t), forward_lut_block_bytes());
   const int64_t num_blocks = std::max<int64_t>(1, ceil_div(d.groups, gpb));
   const int64_t blocks_per_chunk = ceil_div(num_blocks, group_chunks(num_tiles, num_blocks));
   const int64_t chunks = ceil_div(num_blocks, blocks_per_chunk);

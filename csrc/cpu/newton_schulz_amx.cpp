@@ -321,7 +321,7 @@ at::Tensor newton_schulz_amx_cpu(const at::Tensor& X, at::ArrayRef<double> coeff
   TORCH_CHECK(X.dim() == 3, op, ": X must be [N, m, n], got shape ", X.sizes());
   TORCH_CHECK(X.scalar_type() == at::kBFloat16 && X.device().is_cpu(), op,
               ": X must be a bfloat16 CPU tensor, got ", X.scalar_type(), " on ", X.device());
-  const int64_t N = X.size(0), m = X.size(1), n = X.size(2);
+  const int64_t m = X.size(1), n = X.size(2);
   TORCH_CHECK(m <= n && m % kBlock == 0 && n % kBlock == 0, op,
               ": X's matrices must be wide (m <= n) with m and n multiples of ", kBlock,
               ", got m = ", m, ", n = ", n);
@@ -329,6 +329,7 @@ at::Tensor newton_schulz_amx_cpu(const at::Tensor& X, at::ArrayRef<double> coeff
               ": coefficients must hold (a, b, c) per step, got ", coefficients.size(),
               " numbers");
 #if RLX_HAVE_AMX_PATH
+  const int64_t N = X.size(0);
   if (amx_ready() && N > 0 && !coefficients.empty()) {
     at::Tensor out = X.clone(at::MemoryFormat::Contiguous);
     auto* po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
