@@ -37,7 +37,7 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // The forward's batch-tile table block: a quarter of the core's L2 where that is more than
 // kLutBlockBytes. With 2 MiB of L2 (Sapphire Rapids) 512 KiB blocks ran the 16- and 256-row
-// forwards 6-19% and 19-25% faster than 256 KiB ones (1 MiB: between the two, 2 MiB: slower
+// forwards 6-15% and 19-25% faster than 256 KiB ones (1 MiB: between the two, 2 MiB: slower
 // than both; N = K = 4096, one thread); with 1 MiB or less it stays at kLutBlockBytes. The
 // block size sets the K chunks of a call, so sums are grouped alike on machines with the same
 // L2 size (and, as before, for any thread count).
