@@ -34,7 +34,6 @@
 #if RLX_ISA_AVX512
 #include <immintrin.h>
 
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
