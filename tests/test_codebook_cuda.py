@@ -47,11 +47,14 @@ CUDA_SHAPES = [
     (1, 77, 45, 8, 256, 1),
     (2, 300, 40, 8, 256, 1),
     (4, 90, 37, 8, 100, 2),
-    # the lookup-table forward (16-bit x, one row, one codebook, K > 4096): a layer wide and
-    # long enough for two output rows per thread (the last chunk ragged), and a ragged last
-    # slice with codes read byte by byte (G not a multiple of 16)
+    # the one-row forward (16-bit x, one codebook or two): K > 4096 (5 parts of 128 groups on
+    # 4 part warps, the last ragged), codes read byte by byte (G not a multiple of 4), 9 parts
+    # with two codebooks, E < 256, and N past the rows per block rule's 32 (ragged last block)
     (1, 520, 4240, 8, 256, 1),
     (1, 70, 4105, 8, 256, 1),
+    (1, 300, 1100, 8, 256, 2),
+    (1, 45, 257, 8, 37, 2),
+    (1, 4100, 1024, 8, 256, 1),
     # the tensor-core forward with one n8 tile of x (5-8 rows)
     (6, 45, 72, 8, 256, 2),
     (8, 70, 520, 8, 256, 1),
@@ -122,6 +125,26 @@ def test_non_contiguous_and_misaligned_inputs(rows):
     xg = base.cuda()[1:].view(rows, 32)
     got = rlx_torch.codebook_matmul(xg, *cuda(idx, cb, s, b))
     torch.testing.assert_close(got.cpu(), reference.codebook_matmul(xg.cpu(), idx, cb, s, b))
+
+
+@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_one_row_misaligned_and_batched(dtype, m):
+    # the one-row forward: x 2 bytes past a 16-byte boundary (copied), codes 1 byte past one
+    # (read byte by byte), x with leading dimensions (1, 1)
+    x, idx, cb, s, b = make_inputs(1, 90, 136, m=m, dtype=dtype)
+    want = reference_in_float64(x, idx, cb, s, b)
+    atol, rtol = tolerances(dtype)
+    xbuf = torch.zeros(x.numel() + 8, dtype=dtype, device="cuda")
+    xg = xbuf[1:1 + x.numel()].view_as(x).copy_(x)
+    ibuf = torch.zeros(idx.numel() + 16, dtype=torch.uint8, device="cuda")
+    ig = ibuf[1:1 + idx.numel()].view_as(idx).copy_(idx)
+    cbg, sg, bg = cuda(cb, s, b)
+    for xin, iin in ((xg, ig), (xg.view(1, 1, -1), idx.cuda())):
+        out = rlx_torch.codebook_matmul(xin, iin, cbg, sg, bg)
+        assert out.shape == (*xin.shape[:-1], 90)
+        torch.testing.assert_close(out.reshape(1, 90).cpu().double(), want, atol=atol * 10,
+                                   rtol=rtol)
 
 
 def test_empty_batch_and_empty_output():
@@ -213,9 +236,10 @@ def test_deterministic_across_calls(rows, dtype):
             assert torch.equal(g, h)
 
 
-def test_half_inputs_accumulate_in_float32():
+@pytest.mark.parametrize("rows", [1, 2])
+def test_half_inputs_accumulate_in_float32(rows):
     # 4096 products: float16 accumulation would be off by far more than one output rounding.
-    x, idx, cb, s, b = make_inputs(2, 8, 512, dtype=torch.float16)
+    x, idx, cb, s, b = make_inputs(rows, 8, 512, dtype=torch.float16)
     out = rlx_torch.codebook_matmul(*cuda(x, idx, cb, s, b)).cpu().double()
     want = reference_in_float64(x, idx, cb, s, b)
     ulp = want.abs() * 2.0**-10 + 1e-3

@@ -139,3 +139,61 @@ def test_emulated_lut_forward_matches_reference(case, lut_emulator, tmp_path):
     atol = eps * scale * (0.05 if dtype != torch.float32 else 8.0)
     torch.testing.assert_close(got, want, rtol=eps if dtype != torch.float32 else 1e-5,
                                atol=atol, msg=case)
+
+
+@pytest.fixture(scope="module")
+def gemv_emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu_gemv"), "codebook_gemv_emu_main")
+
+
+# The one-row forward (csrc/cuda/codebook_gemv.cuh): parts of 128 groups (4 per lane), passes
+# of 8 rows, 16 warps a block. (dtype, N, G, M, E, scales, bias, 4-byte code loads, rows per
+# block (0: the rule), SMs)
+GEMV_CASES = {
+    # one part; N neither a multiple of the block's rows nor of a pass
+    "one_part_ragged_rows": (torch.float16, 37, 128, 1, 256, True, True, True, 16, 132),
+    # G = 45: one ragged part (lanes past K), codes read byte by byte
+    "ragged_part_byte_codes_bf16": (torch.bfloat16, 45, 45, 1, 256, True, False, True, 8, 132),
+    # two parts, the second ragged (72 groups), two codebooks, E < 256
+    "two_codebooks_small_e": (torch.float16, 50, 200, 2, 37, True, True, True, 16, 132),
+    # 9 parts on 8 part warps: warp 0 takes parts 0 and 8 (x reloaded), the last ragged
+    "more_parts_than_warps": (torch.float16, 20, 1100, 1, 256, False, True, True, 8, 132),
+    # 5 parts on 4 part warps, 6 passes on 4 row warps: a warp's items change pass and part
+    "parts_and_passes_bf16": (torch.bfloat16, 90, 600, 2, 256, True, True, True, 48, 132),
+    # the codes' rows not at multiples of 8 bytes (G odd): byte loads in every part
+    "two_codebooks_byte_codes": (torch.float16, 33, 257, 2, 256, True, True, True, 8, 132),
+    # the rows-per-block rule on a 4-SM device (80 rows a block, 10 passes), E = 255
+    "rule_shape": (torch.bfloat16, 300, 64, 1, 255, False, False, True, 0, 4),
+    "no_scales_no_bias_wide_off": (torch.float16, 17, 160, 1, 256, False, False, False, 8, 132),
+}
+
+
+@pytest.mark.parametrize("case", GEMV_CASES)
+def test_emulated_gemv_forward_matches_reference(case, gemv_emulator, tmp_path):
+    dtype, N, G, M, E, has_s, has_b, wide, rows, sms = GEMV_CASES[case]
+    gen = torch.Generator().manual_seed(len(case))
+    x = torch.randn(1, G * 8, generator=gen).to(dtype)
+    cb = (torch.randn(M, E, 8, generator=gen) * 0.5).to(dtype)
+    idx = torch.randint(0, E, (N, G, M), generator=gen, dtype=torch.uint8)
+    flat = idx.view(-1)
+    flat[::5] = 0  # the first and the last entry of every codebook
+    flat[2::7] = E - 1
+    scales = (torch.rand(N, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    for name, t in (("x", x), ("cb", cb), ("scales", scales), ("bias", bias)):
+        _bits(t).tofile(str(tmp_path / f"{name}.bin"))
+    idx.numpy().tofile(str(tmp_path / "idx.bin"))
+    kind = 0 if dtype == torch.float16 else 1
+    args = [gemv_emulator, tmp_path, kind, N, G, M, E, int(has_s), int(has_b), int(wide), rows,
+            sms]
+    proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = torch.from_file(str(tmp_path / "out.bin"), size=N, dtype=torch.int16)
+    got = got.view(dtype).view(1, N).double()
+    # float32 products and sums: only they and the output's rounding separate the kernel from
+    # the float64 math
+    want = float64_reference(x, idx, cb, scales if has_s else None, bias if has_b else None)
+    eps = torch.finfo(dtype).eps
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=eps, atol=eps * scale * 0.05,
+                               msg=lambda m: f"{case}: {m}\n{proc.stdout}")

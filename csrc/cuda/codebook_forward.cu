@@ -1,10 +1,12 @@
 // CUDA kernel registration for rlx::codebook_matmul (the kernels are in codebook_cuda.cuh,
-// the backward in codebook_backward.cu).
+// codebook_gemv.cuh, codebook_lut.cuh and codebook_mma.cuh; the backward in
+// codebook_backward.cu).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "codebook_cuda.cuh"
+#include "codebook_gemv.cuh"
 #include "codebook_lut.cuh"
 #include "codebook_mma.cuh"
 
@@ -103,6 +105,49 @@ int device_sms() {
   return sms;
 }
 
+// The one-row path (codebook_gemv.cuh): 16-bit x, D = 8, one or two codebooks, one row, the
+// codebook copies and partial sums within the device's shared memory. On an H100 it measured
+// faster than the tensor-core forward and the lookup-table forward at N = K = 4096 and 8192,
+// one and two codebooks (docs/benchmarks.md), so it takes every such call; the lookup-table
+// path below is left for one-row calls whose partial sums would not fit.
+GemvShape gemv_launch_shape(const Dims& d) {
+  return gemv_shape(d.out_features, d.groups, static_cast<int>(d.num_codebooks),
+                    static_cast<int>(d.num_entries), device_sms(), max_block_smem());
+}
+
+bool use_gemv_forward(const Dims& d, at::ScalarType dtype) {
+  return (dtype == at::kHalf || dtype == at::kBFloat16) && d.entry_dim == 8 &&
+         (d.num_codebooks == 1 || d.num_codebooks == 2) && d.rows == 1 &&
+         gemv_launch_shape(d).rows > 0;
+}
+
+template <typename scalar_t>
+void launch_gemv_forward(const Dims& d, at::Tensor x2d, const at::Tensor& idx,
+                         const at::Tensor& cb, const scalar_t* scales, const scalar_t* bias,
+                         at::Tensor& out2d, cudaStream_t stream) {
+  constexpr Bits16 kind = std::is_same_v<scalar_t, at::Half> ? Bits16::kHalf : Bits16::kBFloat16;
+  // x is read with 16-byte loads: a view starting off a 16-byte boundary is copied (one row)
+  if (reinterpret_cast<uintptr_t>(x2d.data_ptr()) % 16 != 0) x2d = x2d.clone();
+  const int M = static_cast<int>(d.num_codebooks), E = static_cast<int>(d.num_entries);
+  const GemvShape shape = gemv_launch_shape(d);
+  const bool wide = d.groups % kGemvLaneGroups == 0 &&
+                    reinterpret_cast<uintptr_t>(idx.data_ptr()) % (4 * M) == 0;
+  const size_t smem = gemv_smem(M, E, shape.parts, shape.rows);
+  auto bits = [](const void* p) { return reinterpret_cast<const uint16_t*>(p); };
+  auto run = [&](auto kernel) {
+    if (smem > 48 * 1024) {
+      C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(smem)));
+    }
+    kernel<<<static_cast<unsigned>(shape.blocks), kGemvWarps * 32, smem, stream>>>(
+        bits(x2d.data_ptr()), idx.data_ptr<uint8_t>(), bits(cb.data_ptr()), bits(scales),
+        bits(bias), reinterpret_cast<uint16_t*>(out2d.data_ptr()), d.out_features, d.groups, E,
+        shape.rows, shape.parts, shape.part_warps, wide);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  };
+  M == 1 ? run(gemv_forward_kernel<kind, 1>) : run(gemv_forward_kernel<kind, 2>);
+}
+
 // The lookup-table path (codebook_lut.cuh) where it measured faster than the tensor-core
 // forward on the H200 (docs/benchmarks.md): 16-bit x, D = 8, one codebook, one row, K > 4096
 // (17.0 against 19.1 us at N = K = 8192). At K = 4096, with two codebooks or with 2-4 rows the
@@ -168,6 +213,12 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "codebook_matmul", [&] {
     const scalar_t* sp = s.defined() ? s.data_ptr<scalar_t>() : nullptr;
     if constexpr (std::is_same_v<scalar_t, at::Half> || std::is_same_v<scalar_t, at::BFloat16>) {
+      if (use_gemv_forward(d, x.scalar_type())) {
+        launch_gemv_forward<scalar_t>(d, x2d, idx, cb, sp,
+                                      bs.defined() ? bs.data_ptr<scalar_t>() : nullptr, out2d,
+                                      stream);
+        return;
+      }
       if (use_lut_forward(d, x.scalar_type())) {
         constexpr LutIn kind =
             std::is_same_v<scalar_t, at::Half> ? LutIn::kHalf : LutIn::kBFloat16;
