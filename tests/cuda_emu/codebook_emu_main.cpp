@@ -8,33 +8,23 @@
 #define RLX_CUDA_EMULATION 1
 #include "codebook_mma.cuh"
 
+#include "emu_io.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 using namespace rlx::codebook::cuda;
 
-template <typename T>
-static std::vector<T> read(const std::string& path, size_t n) {
-  std::vector<T> v(n);
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) {
-    std::fprintf(stderr, "cannot read %zu items from %s\n", n, path.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return v;
-}
-
 template <Bits16 kind, int NT, int M, int RT, int WARPS>
 static void run(const std::string& dir, int64_t B, int64_t N, int64_t G, int E, bool scales,
                 bool bias, bool fast) {
-  auto x = read<uint16_t>(dir + "/x.bin", size_t(B * G * 8));
-  auto idx = read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
-  auto cb = read<uint16_t>(dir + "/cb.bin", size_t(M * E * 8));
-  std::vector<uint16_t> s = scales ? read<uint16_t>(dir + "/scales.bin", size_t(N))
+  auto x = emu::read<uint16_t>(dir + "/x.bin", size_t(B * G * 8));
+  auto idx = emu::read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
+  auto cb = emu::read<uint16_t>(dir + "/cb.bin", size_t(M * E * 8));
+  std::vector<uint16_t> s = scales ? emu::read<uint16_t>(dir + "/scales.bin", size_t(N))
                                    : std::vector<uint16_t>();
-  std::vector<uint16_t> b = bias ? read<uint16_t>(dir + "/bias.bin", size_t(N))
+  std::vector<uint16_t> b = bias ? emu::read<uint16_t>(dir + "/bias.bin", size_t(N))
                                  : std::vector<uint16_t>();
   std::vector<uint16_t> out(size_t(B * N), uint16_t(0x7e00));  // NaN where nothing is written
   const unsigned blocks = unsigned((N + kMmaTileRows * RT - 1) / (kMmaTileRows * RT));

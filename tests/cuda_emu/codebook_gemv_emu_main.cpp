@@ -9,37 +9,27 @@
 #define RLX_CUDA_EMULATION 1
 #include "codebook_gemv.cuh"
 
+#include "emu_io.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 using namespace rlx::codebook::cuda;
 
-template <typename T>
-static std::vector<T> read(const std::string& path, size_t n) {
-  std::vector<T> v(n);
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) {
-    std::fprintf(stderr, "cannot read %zu items from %s\n", n, path.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return v;
-}
-
 template <Bits16 kind, int M>
 static void run(const std::string& dir, int64_t N, int64_t G, int E, bool scales, bool bias,
                 bool wide, const GemvShape& shape) {
   // x read with 16-byte loads: a 16-byte aligned copy
-  auto xv = read<uint16_t>(dir + "/x.bin", size_t(G * 8));
+  auto xv = emu::read<uint16_t>(dir + "/x.bin", size_t(G * 8));
   std::vector<uint4> xbuf((xv.size() * 2 + 15) / 16 + 1);
   std::memcpy(xbuf.data(), xv.data(), xv.size() * 2);
   const uint16_t* x = reinterpret_cast<const uint16_t*>(xbuf.data());
-  auto idx = read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
-  auto cb = read<uint16_t>(dir + "/cb.bin", size_t(M * E * 8));
-  std::vector<uint16_t> s = scales ? read<uint16_t>(dir + "/scales.bin", size_t(N))
+  auto idx = emu::read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
+  auto cb = emu::read<uint16_t>(dir + "/cb.bin", size_t(M * E * 8));
+  std::vector<uint16_t> s = scales ? emu::read<uint16_t>(dir + "/scales.bin", size_t(N))
                                    : std::vector<uint16_t>();
-  std::vector<uint16_t> b = bias ? read<uint16_t>(dir + "/bias.bin", size_t(N))
+  std::vector<uint16_t> b = bias ? emu::read<uint16_t>(dir + "/bias.bin", size_t(N))
                                  : std::vector<uint16_t>();
   std::vector<uint16_t> out(size_t(N), float_to_bits<kind>(std::nanf("")));
   emu::launch(unsigned(shape.blocks), kGemvWarps * 32, gemv_smem(M, E, shape.parts, shape.rows),

@@ -9,33 +9,23 @@
 #define RLX_CUDA_EMULATION 1
 #include "codebook_lut.cuh"
 
+#include "emu_io.h"
+
 #include <cstdio>
 #include <cstdlib>
 #include <string>
 
 using namespace rlx::codebook::cuda;
 
-template <typename T>
-static std::vector<T> read(const std::string& path, size_t n) {
-  std::vector<T> v(n);
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f || std::fread(v.data(), sizeof(T), n, f) != n) {
-    std::fprintf(stderr, "cannot read %zu items from %s\n", n, path.c_str());
-    std::exit(2);
-  }
-  std::fclose(f);
-  return v;
-}
-
 template <LutIn kind, int M, int BT, int SB>
 static void run(const std::string& dir, int64_t B, int64_t N, int64_t G, int E, bool scales,
                 bool bias, bool wide, const LutShape& shape) {
   using T = lut_elem_t<kind>;
-  auto x = read<T>(dir + "/x.bin", size_t(B * G * 8));
-  auto idx = read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
-  auto cb = read<T>(dir + "/cb.bin", size_t(M * E * 8));
-  std::vector<T> s = scales ? read<T>(dir + "/scales.bin", size_t(N)) : std::vector<T>();
-  std::vector<T> b = bias ? read<T>(dir + "/bias.bin", size_t(N)) : std::vector<T>();
+  auto x = emu::read<T>(dir + "/x.bin", size_t(B * G * 8));
+  auto idx = emu::read<uint8_t>(dir + "/idx.bin", size_t(N * G * M));
+  auto cb = emu::read<T>(dir + "/cb.bin", size_t(M * E * 8));
+  std::vector<T> s = scales ? emu::read<T>(dir + "/scales.bin", size_t(N)) : std::vector<T>();
+  std::vector<T> b = bias ? emu::read<T>(dir + "/bias.bin", size_t(N)) : std::vector<T>();
   // NaN where nothing is written
   std::vector<float> partial(size_t(shape.slices * B * N), std::nanf(""));
   std::vector<T> out(size_t(B * N), lut_from_float<kind>(std::nanf("")));

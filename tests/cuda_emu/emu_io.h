@@ -1,5 +1,5 @@
-// File input and output of the emulation mains: float32 arrays in raw .bin files, and
-// float32 -> bf16 bit patterns.
+// File input and output of the emulation mains: arrays in raw .bin files, and float32 -> bf16
+// bit patterns.
 #pragma once
 
 #include <cstdint>
@@ -12,11 +12,13 @@
 
 namespace emu {
 
-inline std::vector<float> read(const std::string& path, size_t n) {
-  std::vector<float> x(n);
+// n items of T (float32 by default) from a raw .bin file; exits with a message if short.
+template <typename T = float>
+inline std::vector<T> read(const std::string& path, size_t n) {
+  std::vector<T> x(n);
   FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f || std::fread(x.data(), sizeof(float), n, f) != n) {
-    std::fprintf(stderr, "cannot read %zu floats from %s\n", n, path.c_str());
+  if (!f || std::fread(x.data(), sizeof(T), n, f) != n) {
+    std::fprintf(stderr, "cannot read %zu items from %s\n", n, path.c_str());
     std::exit(2);
   }
   std::fclose(f);
