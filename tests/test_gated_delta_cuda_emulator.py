@@ -195,7 +195,7 @@ CHUNK_BWD_CASES = {
 }
 
 
-def _run_chunk_bwd(exe, c, tmp_path, seed=1):
+def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
     B, T, H, HV, K, V = (c[n] for n in ("B", "T", "H", "HV", "K", "V"))
     gen = torch.Generator().manual_seed(seed)
     bf = lambda t: t.bfloat16().float()  # noqa: E731
@@ -219,7 +219,8 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1):
             len(c["cu"] or [])] + list(c["cu"] or [])
     # warps one at a time between barriers (cuda_shim.h): a missing barrier shows
     env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",
-               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}),
+               **({"RLX_EMU_RERUN_STATE": "1"} if rerun_state else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -236,12 +237,20 @@ def _chunk_bwd_case(case):
     return c
 
 
-@pytest.mark.parametrize("case", list(CHUNK_BWD_CASES))
-def test_emulated_chunked_backward_matches_float64(case, chunk_bwd_emulator, tmp_path):
-    """The chunked backward (its kernels after the re-run prep and state kernels; bf16 products
+# S0 and u from a re-run of the state kernel (the path of checkpoints sparser than 64 tokens)
+RERUN_STATE_CASES = ("T65_gva_state", "gva_varlen_empty", "K72_narrow")
+
+
+@pytest.mark.parametrize(("case", "rerun_state"), [(c, False) for c in CHUNK_BWD_CASES] + [
+    (c, True) for c in RERUN_STATE_CASES])
+def test_emulated_chunked_backward_matches_float64(case, rerun_state, chunk_bwd_emulator,
+                                                   tmp_path):
+    """The chunked backward (its kernels after the forward's and the re-run prep kernel; S0
+    and u from the forward's checkpoints and vw, or from a re-run state kernel; bf16 products
     as on the GPU for bf16 inputs) against autograd through a float64 token recurrence of the
     same bf16-rounded inputs: every gradient, with an initial state dh0."""
-    x, got = _run_chunk_bwd(chunk_bwd_emulator, _chunk_bwd_case(case), tmp_path)
+    x, got = _run_chunk_bwd(chunk_bwd_emulator, _chunk_bwd_case(case), tmp_path,
+                            rerun_state=rerun_state)
     leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     if x["h0"] is not None:
         leaves["h0"] = x["h0"].double().requires_grad_()
@@ -266,3 +275,17 @@ def test_emulated_chunked_backward_is_deterministic(chunk_bwd_emulator, tmp_path
     _, second = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "b")
     for name in first:
         assert torch.equal(first[name], second[name]), name
+
+
+def test_emulated_chunked_backward_states_from_forward_are_the_rerun_ones(chunk_bwd_emulator,
+                                                                          tmp_path):
+    """S0 and u taken from the forward's checkpoints and vw round the same float32 values as
+    the state kernel's re-run: the gradients are bitwise equal either way."""
+    c = _chunk_bwd_case("two_k_and_v_tiles")
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _, kept = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "a")
+    _, rerun = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "b", rerun_state=True)
+    for name in kept:
+        assert torch.isfinite(kept[name]).all(), name
+        assert torch.equal(kept[name], rerun[name]), name

@@ -193,25 +193,45 @@ void launch_chunk_parallel(Kernel kernel, int64_t blocks, size_t smem, const Chu
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The chunked backward (gated_delta_chunk_bwd.cuh): the forward's prep and state kernels re-run
-// for G, W', T', u and the chunk states, then dv_local, dh, dqk and wy. dv, dg, dbeta and dh0
-// go straight into the packed buffer; dq and dk per value head into dq_hv, dk_hv.
+template <Bits16 kind, int MT>
+void launch_dh_tiles(const ChunkBwdArgs& B, int64_t num_seqs, bool narrow, cudaStream_t stream) {
+  if (narrow) {
+    launch_dh<kind, MT, 2>(B, num_seqs, stream);
+  } else {
+    launch_dh<kind, MT, 4>(B, num_seqs, stream);
+  }
+}
+
+// The chunked backward (gated_delta_chunk_bwd.cuh): the forward's prep kernel re-runs for G,
+// W' and T'; u and the chunk states come from the forward's vw and checkpoints where those
+// are every 64 tokens (from_forward_kernel), else from a re-run of its state kernel; then
+// dv_local, dh, dqk and wy. dv, dg, dbeta and dh0 go straight into the packed buffer; dq and
+// dk per value head into dq_hv, dk_hv.
 template <Bits16 kind>
 void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                       const at::Tensor& beta, const std::optional<at::Tensor>& h0,
                       const at::Tensor& dout, const std::optional<at::Tensor>& dht,
-                      const at::Tensor& vw, const GdnBackwardLayout& layout, at::Tensor& packed,
-                      at::Tensor& dq_hv, at::Tensor& dk_hv, cudaStream_t stream) {
+                      const at::Tensor& vw, const at::Tensor& ckpt,
+                      const GdnBackwardLayout& layout, at::Tensor& packed, at::Tensor& dq_hv,
+                      at::Tensor& dk_hv, cudaStream_t stream) {
   const int64_t N = p.num_seqs, HV = p.num_v_heads, tokens = p.tokens();
+  const bool states_kept = p.chunk == kChunk;  // the checkpoints are the 64-token chunk states
   ChunkBwdArgs B;
   ChunkArgs& A = B.f;
-  const ChunkPlan plan = plan_chunks(p, cu, scale, q, k, v, g, beta, h0, A);
+  const ChunkPlan plan = plan_chunks(p, cu, scale, q, k, v, g, beta, h0, A, !states_kept);
   const int64_t KP = A.KP, VP = A.VP, chunks = plan.chunks;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor Tinv = at::empty({tokens, HV, kChunk}, v.options());
   A.Tinv = bits_of(Tinv);  // (no ht, checkpoints or vw: the forward has them)
-  launch_prep_and_state<kind>(A, N, stream);
+  B.vw = vw.data_ptr<float>();
+  if (states_kept) {
+    B.ckpt = ckpt.data_ptr<float>();
+    launch_prep<kind>(A, stream);
+    launch_chunk_parallel(from_forward_kernel<kind>, chunks * HV, from_forward_smem(), B, stream);
+  } else {
+    launch_prep_and_state<kind>(A, N, stream);
+  }
   const bool narrow = narrow_state_tiles(N, HV, VP);
   const at::Tensor duL = at::empty({tokens, HV, VP}, f32);
   const at::Tensor dvw = at::empty({tokens, HV, VP}, v.options());
@@ -222,7 +242,6 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
   const at::Tensor dg_part = at::empty({KP / kBwdTile, tokens, HV}, f32);
   B.dout = bits_of(dout);
   B.dht = data_or_null<float>(dht);
-  B.vw = vw.data_ptr<float>();
   B.duL = duL.data_ptr<float>();
   B.dvw = bits_of(dvw);
   B.dS = bits_of(dS);
@@ -238,11 +257,11 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
   B.dh0 = p.has_initial_state ? out + layout.dstate.offset : nullptr;
   launch_chunk_parallel(dv_local_kernel<kind>, chunks * HV * (VP / kBwdTile), dv_local_smem(int(KP)),
                         B, stream);
-  switch (KP / 64) {
-    case 1: narrow ? launch_dh<kind, 1, 2>(B, N, stream) : launch_dh<kind, 1, 4>(B, N, stream); break;
-    case 2: narrow ? launch_dh<kind, 2, 2>(B, N, stream) : launch_dh<kind, 2, 4>(B, N, stream); break;
-    case 3: narrow ? launch_dh<kind, 3, 2>(B, N, stream) : launch_dh<kind, 3, 4>(B, N, stream); break;
-    default: narrow ? launch_dh<kind, 4, 2>(B, N, stream) : launch_dh<kind, 4, 4>(B, N, stream); break;
+  TORCH_CHECK(KP <= 128, "rlx::gated_delta_bwd: the chunked backward takes K <= 128");
+  if (KP == 64) {
+    launch_dh_tiles<kind, 1>(B, N, narrow, stream);
+  } else {
+    launch_dh_tiles<kind, 2>(B, N, narrow, stream);
   }
   launch_chunk_parallel(dqk_kernel<kind>, chunks * HV * (KP / kBwdTile), dqk_smem(), B, stream);
   launch_chunk_parallel(wy_kernel<kind>, chunks * HV, wy_smem(), B, stream);
@@ -311,16 +330,21 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   auto slice = [&](const GdnSlice& sl) { return packed.narrow(0, sl.offset, sl.numel); };
   const int64_t tokens = p.tokens();
   const int64_t nvt = chunked ? 1 : ceil_div(V, kCols);  // (chunked: dq, dk per value head)
-  at::Tensor dq_part = at::empty({nvt, tokens, H, G, K}, acc_opts);
-  at::Tensor dk_part = at::empty({nvt, tokens, H, G, K}, acc_opts);
+  // the chunked kernels' dq and dk go straight into the packed buffer when there is nothing
+  // to add (one value head per q/k head, no l2norm backward)
+  const bool direct_dqk = chunked && G == 1 && !l2norm_eps.has_value();
+  at::Tensor dq_part = direct_dqk ? slice(layout.dq).view({1, tokens, H, 1, K})
+                                  : at::empty({nvt, tokens, H, G, K}, acc_opts);
+  at::Tensor dk_part = direct_dqk ? slice(layout.dk).view({1, tokens, H, 1, K})
+                                  : at::empty({nvt, tokens, H, G, K}, acc_opts);
   if (chunked) {
     const at::Tensor vwc = vw->contiguous();
     if (p.input_dtype == at::kBFloat16) {
-      chunked_backward<Bits16::kBFloat16>(p, cu, scale, q16, k16, v, g, beta, h0,
-                                          dout, dht, vwc, layout, packed, dq_part, dk_part, stream);
+      chunked_backward<Bits16::kBFloat16>(p, cu, scale, q16, k16, v, g, beta, h0, dout, dht,
+                                          vwc, ckpt, layout, packed, dq_part, dk_part, stream);
     } else {
-      chunked_backward<Bits16::kHalf>(p, cu, scale, q16, k16, v, g, beta, h0,
-                                      dout, dht, vwc, layout, packed, dq_part, dk_part, stream);
+      chunked_backward<Bits16::kHalf>(p, cu, scale, q16, k16, v, g, beta, h0, dout, dht, vwc,
+                                      ckpt, layout, packed, dq_part, dk_part, stream);
     }
   } else {
     at::Tensor dg_part = at::empty({nvt, tokens, HV, K}, acc_opts);
@@ -391,7 +415,7 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor dqn = dq_part.sum(tiles_group), dkn = dk_part.sum(tiles_group);
     dq.copy_(rq.view({tokens, H, 1}) * (dqn - qn * (qn * dqn).sum(-1, true)));
     dk.copy_(rk.view({tokens, H, 1}) * (dkn - kn * (kn * dkn).sum(-1, true)));
-  } else {
+  } else if (!direct_dqk) {
     at::sum_out(dq, dq_part, tiles_group);
     at::sum_out(dk, dk_part, tiles_group);
   }

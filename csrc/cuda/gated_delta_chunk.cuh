@@ -60,7 +60,7 @@ struct ChunkArgs {
   const float *g = nullptr, *beta = nullptr, *h0 = nullptr;
   float* G = nullptr;            // [tokens, HV] chunk-local cumulative gate
   uint16_t* W = nullptr;         // [tokens, HV, KP] W'
-  uint16_t* U = nullptr;         // [tokens, HV, VP] U'
+  uint16_t* U = nullptr;         // [tokens, HV, VP] U' (nullptr: prep_kernel skips it)
   uint16_t* u = nullptr;         // [tokens, HV, VP] beta vw
   uint16_t* hT = nullptr;        // [slots64, HV, VP, KP] state before each chunk, transposed
   uint16_t* Tinv = nullptr;      // optional (the backward's), [tokens, HV, 64] T' rows
@@ -220,7 +220,7 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const uint16_t*
   }
 }
 
-// ---- prep: G, W' and U' of one chunk and value head ---------------------------------------
+// ---- prep: G, W' and U' of one chunk and value head (U' only where A.U is set) ------------
 template <Bits16 kind>
 __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) {
   const Dims<float>& d = A.d;
@@ -252,8 +252,10 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   load_tile<kind, false>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
   load_tile<kind, true>(sKgT, ldC, k, qk_stride, kChunk, KP, len, d.K,
                         [sG](int r) { return exp(sG[r]); });
-  load_tile<kind, true>(sVT, ldC, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
-                        VP, len, d.V);
+  if (A.U != nullptr) {  // (the backward's prep needs no U')
+    load_tile<kind, true>(sVT, ldC, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
+                          VP, len, d.V);
+  }
   __syncthreads();
   // M = strictly-lower(K K^T o e^(G_i - G_j)) diag(beta); warp w: rows 16w .. 16w + 15
   {
@@ -333,7 +335,7 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
     }
   };
   product(sKgT, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
-  product(sVT, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
+  if (A.U != nullptr) product(sVT, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
 }
 
 __host__ __device__ inline size_t prep_smem(int KP, int VP) {

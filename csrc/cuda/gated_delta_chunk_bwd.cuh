@@ -4,7 +4,9 @@
 //   du  = scale P^T dO + (K o e^(G_last - G)) dS,   P = [j <= i] (Q K^T) o e^(G_i - G_j)
 //   dvw = beta o du,  dbeta = du . vw (+ the WY part),  dU' = dvw,  dW' = -dvw S0^T
 //   dS0 = e^(G_last) dS + scale (Q o e^G)^T dO - W'^T dvw
-// after the forward's prep and state kernels have been re-run for G, W', T', u and S0. Then
+// after the forward's prep kernel has been re-run for G, W' and T', and u and S0 have been
+// taken from the forward's vw and 64-token checkpoints (from_forward_kernel; with sparser
+// checkpoints the forward's state kernel re-runs for them). Then
 // per chunk the gradients of the inputs (gated_delta_chunk_bwd_grads.cuh):
 //   dq = scale e^G o (dO S0^T) + dP K,     dP = scale [j <= i] (dO u^T) o e^(G_i - G_j)
 //   dk = e^(G_last - G) o (u dS^T) + dP^T Q + (dA + dA^T) K + e^G o (T'^T dW')
@@ -16,7 +18,9 @@
 // with G_last rather than 0, so that e^(G_i - G_j) of a padding row stays <= 1 (with 0 it
 // overflows under strong decay, and 0 x inf is NaN).
 //
-// Kernels, in launch order after the re-run forward:
+// Kernels, in launch order after the re-run prep:
+//   from_forward_kernel  chunk parallel: S0 (16-bit, transposed) and u (16-bit) from the
+//                    forward's float32 checkpoints and vw, the values state_kernel would write
 //   dv_local_kernel  chunk parallel: scale P^T dO (float32)
 //   dh_kernel        one block per (sequence, value head, BV-column tile), the chunks last
 //                    first with dS [KP][BV] in float32 mma accumulators: du, dvw, dbeta's
@@ -40,6 +44,7 @@ struct ChunkBwdArgs {
   const uint16_t* dout = nullptr;  // [tokens, HV, V]
   const float* dht = nullptr;      // [N, HV, K, V] or nullptr
   const float* vw = nullptr;       // [tokens, HV, V] the forward's vw
+  const float* ckpt = nullptr;     // [slots64, HV, K, V] the forward's 64-token checkpoints
   float* duL = nullptr;            // [tokens, HV, VP] scale P^T dO
   uint16_t* dvw = nullptr;         // [tokens, HV, VP]
   uint16_t* dS = nullptr;          // [slots64, HV, KP, VP] dL/dS after each chunk
@@ -55,6 +60,50 @@ struct ChunkBwdArgs {
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(kFull, x, 1);
   return x + __shfl_xor_sync(kFull, x, 2);
+}
+
+// ---- from_forward: S0 and u of one chunk and value head from the forward's outputs ----------
+// hT = 16-bit S0^T (pads zero) from the float32 checkpoint of the chunk's slot, u = 16-bit
+// beta o vw (pad columns zero): the roundings state_kernel applies to the same float32 values,
+// so the backward's results do not depend on which of the two produced them.
+template <Bits16 kind>
+__global__ void __launch_bounds__(kChunkThreads) from_forward_kernel(const ChunkBwdArgs B) {
+  const ChunkArgs& A = B.f;
+  const Dims<float>& d = A.d;
+  const int KP = A.KP, VP = A.VP, hv = int(blockIdx.x % d.HV);
+  const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
+  const int len = int(e.len), ld = kChunk + kPad;
+  uint16_t* sT = dynamic_smem<uint16_t>();  // [64 v][72]: a 64 x 64 tile of S0^T
+  const float* S = B.ckpt + (e.slot * d.HV + hv) * int64_t(d.K) * d.V;
+  uint16_t* hT = A.hT + (e.slot * d.HV + hv) * int64_t(VP) * KP;
+  for (int k0 = 0; k0 < KP; k0 += 64) {
+    for (int v0 = 0; v0 < VP; v0 += 64) {
+      __syncthreads();  // the previous tile's readers are done
+      for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
+        const int r = idx / 64, c = idx % 64, k = k0 + r, v = v0 + c;  // (reads along v)
+        sT[c * ld + r] = k < d.K && v < d.V ? float_to_bits<kind>(S[int64_t(k) * d.V + v])
+                                            : uint16_t(0);
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < 64 * 8; idx += blockDim.x) {  // rows of S0^T, 16 bytes
+        const int c = idx / 8, r = 8 * (idx % 8);
+        const uint32_t* from = reinterpret_cast<const uint32_t*>(sT + c * ld + r);
+        uint32_t* to = reinterpret_cast<uint32_t*>(hT + int64_t(v0 + c) * KP + k0 + r);
+        to[0] = from[0], to[1] = from[1], to[2] = from[2], to[3] = from[3];
+      }
+    }
+  }
+  const int64_t v_stride = int64_t(d.HV) * d.V, pv_stride = int64_t(d.HV) * VP;
+  for (int idx = threadIdx.x; idx < len * VP; idx += blockDim.x) {
+    const int i = idx / VP, c = idx % VP;
+    const int64_t t = e.t0 + i;
+    const float x = c < d.V ? B.vw[t * v_stride + int64_t(hv) * d.V + c] : 0.f;
+    A.u[t * pv_stride + int64_t(hv) * VP + c] = float_to_bits<kind>(A.beta[t * d.HV + hv] * x);
+  }
+}
+
+__host__ __device__ inline size_t from_forward_smem() {
+  return sizeof(uint16_t) * size_t(kChunk) * (kChunk + kPad);
 }
 
 // ---- dv_local: scale P^T dO of one chunk, value head and 64-column tile ---------------------

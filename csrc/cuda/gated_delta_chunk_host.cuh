@@ -32,7 +32,8 @@ inline uint16_t* bits_of(const at::Tensor& t) {
 }
 
 // The 64-token chunks of every sequence (ChunkEntry), on the device, and the intermediates
-// of prep_kernel and state_kernel, filled into A (with the inputs).
+// of prep_kernel and state_kernel, filled into A (with the inputs); without with_U, no U'
+// (A.U = nullptr: prep_kernel skips it, and state_kernel, which reads it, must not run).
 struct ChunkPlan {
   at::Tensor table, G, W, U, u, hT;
   int64_t chunks = 0;
@@ -41,7 +42,8 @@ struct ChunkPlan {
 inline ChunkPlan plan_chunks(const GdnProblem& p, const SeqLens& cu, double scale,
                              const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                              const at::Tensor& g, const at::Tensor& beta,
-                             const std::optional<at::Tensor>& h0, ChunkArgs& A) {
+                             const std::optional<at::Tensor>& h0, ChunkArgs& A,
+                             bool with_U = true) {
   const int64_t N = p.num_seqs, HV = p.num_v_heads;
   const int64_t KP = ceil_div(p.head_k_dim, 64) * 64, VP = ceil_div(p.head_v_dim, 64) * 64;
   std::vector<ChunkEntry> entries;
@@ -63,7 +65,7 @@ inline ChunkPlan plan_chunks(const GdnProblem& p, const SeqLens& cu, double scal
   P.table = P.table.to(q.device());
   P.G = at::empty({p.tokens(), HV}, q.options().dtype(at::kFloat));
   P.W = at::empty({p.tokens(), HV, KP}, v.options());
-  P.U = at::empty({p.tokens(), HV, VP}, v.options());
+  if (with_U) P.U = at::empty({p.tokens(), HV, VP}, v.options());
   P.u = at::empty({p.tokens(), HV, VP}, v.options());
   P.hT = at::empty({gdn_checkpoint_slots(N, p.tokens(), kChunk), HV, VP, KP}, v.options());
   A.d = make_dims<float>(p, cu.device_ptr(), scale);
@@ -79,7 +81,7 @@ inline ChunkPlan plan_chunks(const GdnProblem& p, const SeqLens& cu, double scal
   A.h0 = data_or_null<float>(h0);
   A.G = P.G.data_ptr<float>();
   A.W = bits_of(P.W);
-  A.U = bits_of(P.U);
+  A.U = with_U ? bits_of(P.U) : nullptr;
   A.u = bits_of(P.u);
   A.hT = bits_of(P.hT);
   return P;
@@ -104,16 +106,20 @@ void launch_state(const ChunkArgs& A, int64_t num_seqs, cudaStream_t stream) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+template <Bits16 kind>
+void launch_prep(const ChunkArgs& A, cudaStream_t stream) {
+  if (A.num_chunks == 0) return;
+  const size_t smem = prep_smem(A.KP, A.VP);
+  auto kernel = prep_kernel<kind>;
+  allow_shared_memory(kernel, smem);
+  kernel<<<dim3(unsigned(A.num_chunks * A.d.HV)), dim3(kChunkThreads), smem, stream>>>(A);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 // prep_kernel, then state_kernel (the serial loop over chunks).
 template <Bits16 kind>
 void launch_prep_and_state(const ChunkArgs& A, int64_t num_seqs, cudaStream_t stream) {
-  if (A.num_chunks > 0) {
-    const size_t smem = prep_smem(A.KP, A.VP);
-    auto kernel = prep_kernel<kind>;
-    allow_shared_memory(kernel, smem);
-    kernel<<<dim3(unsigned(A.num_chunks * A.d.HV)), dim3(kChunkThreads), smem, stream>>>(A);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  }
+  launch_prep<kind>(A, stream);
   const bool narrow = narrow_state_tiles(num_seqs, A.d.HV, A.VP);
   switch (A.KP / 64) {
     case 1: narrow ? launch_state<kind, 1, 2>(A, num_seqs, stream) : launch_state<kind, 1, 4>(A, num_seqs, stream); break;

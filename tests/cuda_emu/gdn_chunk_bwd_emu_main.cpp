@@ -1,7 +1,10 @@
 // Runs the chunked CUDA gated delta backward (csrc/cuda/gated_delta_chunk_bwd.cuh and
-// _grads.cuh, after the re-run of the forward's prep and state kernels; device code only) on
-// the CPU through cuda_shim.h, bf16 products, float32 inputs and outputs, in the host code's
-// launch order (gated_delta_backward.cu). tests/test_gated_delta_cuda_emulator.py drives it:
+// _grads.cuh; device code only) on the CPU through cuda_shim.h, bf16 products, float32 inputs
+// and outputs, in the host code's launch order (gated_delta_backward.cu): first the forward's
+// prep and state kernels for its 64-token checkpoints and vw, then the backward: prep again
+// (without U'), S0 and u from those checkpoints and vw (from_forward_kernel), dv_local, dh,
+// dqk, wy. RLX_EMU_RERUN_STATE: S0 and u from a re-run of the state kernel instead (the path
+// of sparser checkpoints). tests/test_gated_delta_cuda_emulator.py drives it:
 //   gdn_chunk_bwd_emu DIR B T H HV K V has_h0 has_dht scale N cu_0 .. cu_N
 // reads DIR/{q,k,v,g,beta,do,h0,dht}.bin (float32; h0, dht only when given), writes
 // DIR/{dq,dk,dv,dg,dbeta,dh0}.bin (dh0 with has_h0). RLX_EMU_NARROW: 16-column dh tiles.
@@ -11,6 +14,7 @@
 #include "gated_delta_chunk_bwd_grads.cuh"
 #include "emu_io.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <string>
@@ -19,10 +23,20 @@ using namespace rlx::gdn::cuda;
 constexpr Bits16 kBf = Bits16::kBFloat16;
 
 template <int MT, int NT>
-static void run_state_and_dh(ChunkBwdArgs& B, int64_t N) {
-  const int64_t blocks = N * B.f.d.HV * (B.f.VP / (8 * NT));
+static void run_state(ChunkArgs& A, int64_t N) {
+  const int64_t blocks = N * A.d.HV * (A.VP / (8 * NT));
   emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT),
-              [&] { state_kernel<kBf, MT, NT>(B.f); });
+              [&] { state_kernel<kBf, MT, NT>(A); });
+}
+
+static void run_prep(ChunkArgs& A) {
+  emu::launch(unsigned(A.num_chunks * A.d.HV), kChunkThreads, prep_smem(A.KP, A.VP),
+              [&] { prep_kernel<kBf>(A); });
+}
+
+template <int MT, int NT>
+static void run_dh(ChunkBwdArgs& B, int64_t N) {
+  const int64_t blocks = N * B.f.d.HV * (B.f.VP / (8 * NT));
   const unsigned chunks = unsigned(B.f.num_chunks), HV = unsigned(B.f.d.HV);
   emu::launch(chunks * HV * unsigned(B.f.VP / kBwdTile), kChunkThreads, dv_local_smem(B.f.KP),
               [&] { dv_local_kernel<kBf>(B); });
@@ -91,8 +105,29 @@ int main(int argc, char** argv) {
   A.q = qb.data(), A.k = kb.data(), A.v = vb.data(), A.g = g.data(), A.beta = beta.data();
   A.h0 = has_h0 ? h0.data() : nullptr;
   A.G = G.data(), A.W = W.data(), A.U = U.data(), A.u = u.data(), A.hT = hT.data();
+  std::vector<float> ckpt(size_t(slots64 * HV * K * V), NAN);
+  const bool narrow = std::getenv("RLX_EMU_NARROW") != nullptr;
+  const bool rerun_state = std::getenv("RLX_EMU_RERUN_STATE") != nullptr;
+  if (A.KP > 128) {
+    std::fprintf(stderr, "K > 128 is not emulated\n");
+    return 2;
+  }
+  auto state = [&] {
+    if (A.KP == 64) {
+      narrow ? run_state<1, 2>(A, N) : run_state<1, 4>(A, N);
+    } else {
+      narrow ? run_state<2, 2>(A, N) : run_state<2, 4>(A, N);
+    }
+  };
+  // the forward: its checkpoints every 64 tokens and vw
+  A.ckpt = ckpt.data(), A.vw = vw.data();
+  run_prep(A);
+  state();
+  A.ckpt = nullptr, A.vw = nullptr;
+  // the backward: what its kernels write starts as NaN again
+  for (auto* buf : {&W, &U, &u, &hT, &Tinv}) std::fill(buf->begin(), buf->end(), nan16);
+  std::fill(G.begin(), G.end(), NAN);
   A.Tinv = Tinv.data();
-  A.vw = vw.data();  // (the op reads the forward's vw: the same values)
   B.dout = dob.data();
   B.dht = has_dht ? dht.data() : nullptr;
   B.vw = vw.data();
@@ -102,13 +137,20 @@ int main(int argc, char** argv) {
   B.dv = dv.data(), B.dg = dg.data(), B.dbeta = dbeta.data();
   B.dh0 = has_h0 ? dh0.data() : nullptr;
   const unsigned nch = unsigned(chunks.size());
-  emu::launch(nch * unsigned(HV), kChunkThreads, prep_smem(A.KP, A.VP),
-              [&] { prep_kernel<kBf>(A); });
-  const bool narrow = std::getenv("RLX_EMU_NARROW") != nullptr;
-  switch (A.KP / 64) {
-    case 1: narrow ? run_state_and_dh<1, 2>(B, N) : run_state_and_dh<1, 4>(B, N); break;
-    case 2: narrow ? run_state_and_dh<2, 2>(B, N) : run_state_and_dh<2, 4>(B, N); break;
-    default: std::fprintf(stderr, "K > 128 is not emulated\n"); return 2;
+  if (rerun_state) {
+    run_prep(A);
+    state();
+  } else {
+    A.U = nullptr;
+    run_prep(A);
+    B.ckpt = ckpt.data();
+    emu::launch(nch * unsigned(HV), kChunkThreads, from_forward_smem(),
+                [&] { from_forward_kernel<kBf>(B); });
+  }
+  if (A.KP == 64) {
+    narrow ? run_dh<1, 2>(B, N) : run_dh<1, 4>(B, N);
+  } else {
+    narrow ? run_dh<2, 2>(B, N) : run_dh<2, 4>(B, N);
   }
   emu::launch(nch * unsigned(HV * (KP / kBwdTile)), kChunkThreads, dqk_smem(),
               [&] { dqk_kernel<kBf>(B); });
