@@ -6,6 +6,13 @@ taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K
 and head forward, 3x that forward+backward. For the per-head gate the chunked tensor-core
 forward (RLX_CUDA_GATED_DELTA_CHUNKED=1) is timed in the same turns; at the end, torch.profiler
 gives the CUDA time per kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
+
+Run as a script (``python benchmarks/bench_gdn_cuda.py [--chunk-size 64 128]``) it times the
+chunked path through ``torch.ops.rlx.gated_delta_fwd`` / ``gated_delta_bwd`` directly (first
+shape, bf16, per-head gate, q and k unit rows, no l2norm: CUDA-event medians, then the CUDA
+time per kernel of one forward+backward) and checks that the backward is bitwise
+reproducible, equal across chunk sizes (the states from the 64-token checkpoints or from a
+re-run of the state kernel round alike) and close to the token backward.
 """
 
 import itertools
@@ -162,3 +169,97 @@ def main_cuda(args):
             print(f"  {us:10.1f}  {name}")
     print(json.dumps({"bench": "gated_delta_rule_cuda", "profile": profiles, "device": name,
                       "fla": fla["version"] if fla else None, "results": results}))
+
+
+def _direct_inputs(B, T, H, K, V):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dev, bf = torch.device("cuda"), torch.bfloat16
+    q = F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(bf)
+    k = F.normalize(torch.randn(B, T, H, K, device=dev, generator=gen), dim=-1).to(bf)
+    v = torch.randn(B, T, H, V, device=dev, generator=gen).to(bf)
+    g = F.logsigmoid(torch.randn(B, T, H, device=dev, generator=gen) + 2.0)
+    beta = torch.rand(B, T, H, device=dev, generator=gen)
+    do = torch.randn(B, T, H, V, device=dev, generator=gen).to(bf)
+    return q, k, v, g, beta, do
+
+
+def direct_ops(chunk_sizes, repeats=10):
+    """Times and profiles the chunked forward and backward ops (module docstring)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "1"
+    B, T, H, K, V = SHAPES[0]
+    q, k, v, g, beta, do = _direct_inputs(B, T, H, K, V)
+    scale = K ** -0.5
+    fwd, bwd = torch.ops.rlx.gated_delta_fwd, torch.ops.rlx.gated_delta_bwd
+
+    def run_fwd(cs):
+        return fwd(q, k, v, g, beta, scale, None, None, cs, None)
+
+    def run_bwd(cs, outs):
+        return bwd(q, k, v, g, beta, scale, None, None, outs[2], do, None, cs, None, outs[3])
+
+    def median_ms(fn):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(repeats):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, direct ops, bf16, "
+          f"per-head gate, B={B} T={T} H={H} K={K} V={V}, no l2norm")
+    rows, packed = [], {}
+    for cs in chunk_sizes:
+        outs = run_fwd(cs)
+        t_fwd = median_ms(lambda cs=cs: run_fwd(cs))
+        t_bwd = median_ms(lambda cs=cs, outs=outs: run_bwd(cs, outs))
+        t_both = median_ms(lambda cs=cs: run_bwd(cs, run_fwd(cs)))
+        first, second = run_bwd(cs, outs), run_bwd(cs, outs)
+        bitwise = bool(torch.equal(first, second))
+        packed[cs] = first
+        row = dict(chunk_size=cs, fwd_ms=round(t_fwd, 3), bwd_ms=round(t_bwd, 3),
+                   fwd_bwd_ms=round(t_both, 3), bitwise_reproducible=bitwise,
+                   finite=bool(torch.isfinite(first).all()))
+        rows.append(row)
+        print(f"chunk_size {cs}: forward {t_fwd:.3f} ms, backward {t_bwd:.3f} ms, "
+              f"forward+backward {t_both:.3f} ms, bitwise reproducible {bitwise}", flush=True)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                run_bwd(cs, run_fwd(cs))
+            torch.cuda.synchronize()
+        for e in sorted(prof.key_averages(), key=lambda e: -(
+                getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0))):
+            us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+            if us > 0:
+                print(f"  {us / 5:10.1f} us  x{e.count // 5:<3d} {e.key[:80]}")
+    sizes = list(packed)
+    for cs in sizes[1:]:
+        same = bool(torch.equal(packed[sizes[0]], packed[cs]))
+        print(f"backward at chunk_size {sizes[0]} and {cs} bitwise equal: {same}")
+        rows.append(dict(chunk_sizes=[sizes[0], cs], bitwise_equal=same))
+    outs = run_fwd(sizes[0])
+    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "0"  # the token backward on the same outputs
+    token = run_bwd(sizes[0], outs)
+    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "1"
+    chunked = run_bwd(sizes[0], outs)
+    rel = ((chunked.double() - token.double()).pow(2).mean().sqrt()
+           / token.double().pow(2).mean().sqrt()).item()
+    print(f"chunked against token backward (same forward outputs): {rel:.2e} relative RMS")
+    rows.append(dict(chunked_vs_token_rel_rms=rel))
+    print(json.dumps({"bench": "gated_delta_ops_cuda", "device": torch.cuda.get_device_name(),
+                      "results": rows}))
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--chunk-size", type=int, nargs="+", default=[64, 128])
+    direct_ops(parser.parse_args().chunk_size)

@@ -166,14 +166,21 @@ __host__ __device__ inline size_t dv_local_smem(int KP) {
 
 // ---- dh: the reverse recurrence over chunks of one sequence, value head and BV columns -------
 // dS [KP][BV] in accumulators (warp w rows 16 (MT w + mt) ..). Per chunk, last first:
-//   store dS;  du = duL + (K o e^(G_last - G)) dS;  dvw = beta o du;
-//   dS = e^(G_last) dS + [scale Q o e^G; W']^T [dO; -dvw]   (one product over 2C rows)
+//   store dS;  du = duL + e^(G_last - G) o (K dS);  dvw = beta o du;
+//   dS = e^(G_last) dS + [Q; W']^T [scale e^G o dO; -dvw]   (one product over 2C rows)
+// The gates scale the fp32 product (du) or the dO rows, so that K, Q, W' and dO are copied
+// raw: the previous chunk's tiles are copied (cp.async) while the current one is in use (K
+// and dO once du is done, Q and W' into the second of two buffers), and its gates, duL and vw
+// loaded into registers, so the serial loop waits on no global load.
 template <Bits16 kind, int MT, int NT>
 __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B) {
+  using rlx::codebook::cuda::async_commit;
+  using rlx::codebook::cuda::async_wait;
+  using rlx::codebook::cuda::copy16_async;
   const ChunkArgs& A = B.f;
   using Tile = StateTile<MT, NT>;
   constexpr int BV = 8 * NT, KP = 64 * MT, C2 = 2 * kChunk;
-  constexpr int ldK = KP + kPad, ldY = C2 + kPad;
+  constexpr int ldK = KP + kPad, ldY = C2 + kPad, ldO = BV + kPad;
   const Dims<float>& d = A.d;
   const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp, VP = A.VP;
   const int nvt = VP / BV;
@@ -185,12 +192,77 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
   float* sG = dynamic_smem<float>();                                // [64]
   float* sBeta = sG + kChunk;                                       // [64]
   uint16_t* sDsT = reinterpret_cast<uint16_t*>(sBeta + kChunk);     // [BV][KP+8] dS^T
-  uint16_t* sKd = sDsT + BV * ldK;                                  // [64][KP+8] K o e^(Gl-G)
-  uint16_t* sX = sKd + kChunk * ldK;                                // [128][KP+8]
-  uint16_t* sYT = sX + C2 * ldK;                                    // [BV][136]
+  uint16_t* sK = sDsT + BV * ldK;                                   // [64][KP+8] K
+  uint16_t* sX = sK + kChunk * ldK;                                 // [2][128][KP+8] [Q; W']
+  uint16_t* sO = sX + 2 * C2 * ldK;                                 // [64][BV+8] dO
+  uint16_t* sYT = sO + kChunk * ldO;                                // [BV][136]
   const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
   const int64_t v_stride = int64_t(d.HV) * d.V, pv_stride = int64_t(d.HV) * VP;
   const int64_t pk_stride = int64_t(d.HV) * KP;
+  const uint16_t* q = A.q + int64_t(h) * d.K;
+  const uint16_t* k = A.k + int64_t(h) * d.K;
+  const uint16_t* dout = B.dout + int64_t(hv) * d.V + v0;
+  const bool qk_async = d.K % 8 == 0 && reinterpret_cast<uintptr_t>(A.q) % 16 == 0 &&
+                        reinterpret_cast<uintptr_t>(A.k) % 16 == 0;
+  const bool o_async = d.V % 8 == 0 && reinterpret_cast<uintptr_t>(B.dout) % 16 == 0;
+  // chunk (t0, len)'s K, Q and W' (into buffer buf) and dO tiles, as one copy group; where
+  // rows are not 16-byte aligned, copied synchronously instead
+  auto fetch = [&](int64_t t0, int len, int buf) {
+    uint16_t* dQ = sX + buf * C2 * ldK;
+    uint16_t* dW = dQ + kChunk * ldK;
+    for (int idx = threadIdx.x; idx < kChunk * (KP / 8); idx += blockDim.x) {
+      const int r = idx / (KP / 8), c = 8 * (idx % (KP / 8));
+      if (r < len) {
+        copy16_async(dW + r * ldK + c, A.W + (t0 + r) * pk_stride + int64_t(hv) * KP + c);
+      } else {
+        zero16(dW + r * ldK + c);
+      }
+      if (qk_async) {
+        if (r < len && c < d.K) {
+          copy16_async(sK + r * ldK + c, k + (t0 + r) * qk_stride + c);
+          copy16_async(dQ + r * ldK + c, q + (t0 + r) * qk_stride + c);
+        } else {
+          zero16(sK + r * ldK + c);
+          zero16(dQ + r * ldK + c);
+        }
+      }
+    }
+    if (!qk_async) {
+      load_tile<kind, false>(sK, ldK, k + t0 * qk_stride, qk_stride, kChunk, KP, len, d.K);
+      load_tile<kind, false>(dQ, ldK, q + t0 * qk_stride, qk_stride, kChunk, KP, len, d.K);
+    }
+    if (o_async) {
+      for (int idx = threadIdx.x; idx < kChunk * (BV / 8); idx += blockDim.x) {
+        const int r = idx / (BV / 8), c = 8 * (idx % (BV / 8));
+        if (r < len && c < cols_ok) {
+          copy16_async(sO + r * ldO + c, dout + (t0 + r) * v_stride + c);
+        } else {
+          zero16(sO + r * ldO + c);
+        }
+      }
+    } else {
+      load_tile<kind, false>(sO, ldO, dout + t0 * v_stride, v_stride, kChunk, BV, len, cols_ok);
+    }
+    async_commit();
+  };
+  // chunk (t0, len)'s gates (G padded with G_last; thread i < 64 holds row i), duL and vw
+  // (this thread's accumulator elements) into registers
+  float g_reg = 0.f, beta_reg = 0.f, duL[NT][4], vw[NT][4];
+  auto load_rows = [&](int64_t t0, int len) {
+    if (int(threadIdx.x) < kChunk) {
+      const int i = int(threadIdx.x);
+      g_reg = A.G[(t0 + min(i, len - 1)) * d.HV + hv];
+      beta_reg = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(16 * w, r, lane), c = v0 + acc_col(nt, r, lane);
+        duL[nt][r] = i < len ? B.duL[(t0 + i) * pv_stride + int64_t(hv) * VP + c] : 0.f;
+        vw[nt][r] = i < len && c < d.V ? B.vw[(t0 + i) * v_stride + int64_t(hv) * d.V + c] : 0.f;
+      }
+  };
   Tile S;  // dS
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -204,14 +276,23 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
                              : 0.f;
       }
   const int64_t base64 = checkpoint_base(n, bos, kChunk);
-  for (int64_t j = num_chunks(eos - bos, kChunk) - 1; j >= 0; --j) {
+  const int64_t nc = num_chunks(eos - bos, kChunk);
+  if (nc > 0) {
+    const int64_t t0 = bos + (nc - 1) * kChunk;
+    const int len = int(eos - t0);
+    fetch(t0, len, int((nc - 1) & 1));
+    load_rows(t0, len);
+    if (int(threadIdx.x) < kChunk) {
+      sG[threadIdx.x] = g_reg;
+      sBeta[threadIdx.x] = beta_reg;
+    }
+  }
+  for (int64_t j = nc - 1; j >= 0; --j) {
+    const int buf = int(j & 1);
     const int64_t t0 = bos + j * kChunk;
     const int len = int(min(int64_t(kChunk), eos - t0));
-    __syncthreads();  // the previous chunk's readers are done
-    for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-      sG[i] = A.G[(t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
-      sBeta[i] = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
-    }
+    async_wait<0>();
+    __syncthreads();  // the chunk's tiles and gates are in; the previous chunk's readers done
     uint16_t* dS_out = B.dS + ((base64 + j) * d.HV + hv) * int64_t(KP) * VP + v0;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -224,28 +305,17 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
           sDsT[cl * ldK + row] = bits;
           dS_out[int64_t(row) * VP + cl] = bits;
         }
-    __syncthreads();  // sG
-    const float g_last = sG[len - 1];
-    load_tile<kind, false>(sKd, ldK, A.k + t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                           KP, len, d.K, [sG, g_last](int r) { return exp(g_last - sG[r]); });
-    load_tile<kind, false>(sX, ldK, A.q + t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                           KP, len, d.K, [sG, &d](int r) { return d.scale * exp(sG[r]); });
-    load_tile<kind, false>(sX + kChunk * ldK, ldK, A.W + t0 * pk_stride + int64_t(hv) * KP,
-                           pk_stride, kChunk, KP, len, KP);
-    load_tile<kind, true>(sYT, ldY, B.dout + t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                          kChunk, BV, len, cols_ok);
+    for (int idx = threadIdx.x; idx < BV * kChunk; idx += blockDim.x) {  // scale e^G o dO
+      const int c = idx / kChunk, i = idx % kChunk;
+      sYT[c * ldY + i] =
+          float_to_bits<kind>(d.scale * exp(sG[i]) * bits_to_float<kind>(sO[i * ldO + c]));
+    }
     __syncthreads();
-    // du = duL + (K o e^(G_last - G)) dS: warp w chunk rows 16w .. 16w + 15
+    const float g_last = sG[len - 1];
+    // du = duL + e^(G_last - G) o (K dS): warp w chunk rows 16w .. 16w + 15
     {
-      float du[NT][4];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int i = acc_row(16 * w, r, lane), c = v0 + acc_col(nt, r, lane);
-          du[nt][r] = i < len ? B.duL[(t0 + i) * pv_stride + int64_t(hv) * VP + c] : 0.f;
-        }
-      warp_mma<kind, false, false, NT>(du, sKd, ldK, 16 * w, sDsT, ldK, 0, 0, KP, lane);
+      float kd[NT][4] = {};
+      warp_mma<kind, false, false, NT>(kd, sK, ldK, 16 * w, sDsT, ldK, 0, 0, KP, lane);
       float db[2] = {0.f, 0.f};  // du . vw of rows (lane / 4) and (lane / 4 + 8)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
@@ -253,11 +323,12 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
         for (int r = 0; r < 4; ++r) {
           const int i = acc_row(16 * w, r, lane), cl = acc_col(nt, r, lane), c = v0 + cl;
           const bool ok = i < len;
-          const float dvw = ok ? sBeta[i] * du[nt][r] : 0.f;
+          const float du = duL[nt][r] + exp(g_last - sG[i]) * kd[nt][r];
+          const float dvw = ok ? sBeta[i] * du : 0.f;
           sYT[cl * ldY + kChunk + i] = float_to_bits<kind>(-dvw);
           if (ok) {
             B.dvw[(t0 + i) * pv_stride + int64_t(hv) * VP + c] = float_to_bits<kind>(dvw);
-            if (c < d.V) db[r / 2] += du[nt][r] * B.vw[(t0 + i) * v_stride + int64_t(hv) * d.V + c];
+            db[r / 2] += du * vw[nt][r];  // (vw is 0 past V)
           }
         }
 #pragma unroll
@@ -269,16 +340,25 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // sK and sO are free, sYT complete
+    if (j > 0) {  // the previous chunk (a full one)
+      fetch(t0 - kChunk, kChunk, buf ^ 1);
+      load_rows(t0 - kChunk, kChunk);
+    }
     const float decay = exp(g_last);
+    const uint16_t* cX = sX + buf * C2 * ldK;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
-      warp_mma<kind, true, false, NT>(S.s[mt], sX, ldK, 16 * (MT * w + mt), sYT, ldY, 0, 0, C2,
+      warp_mma<kind, true, false, NT>(S.s[mt], cX, ldK, 16 * (MT * w + mt), sYT, ldY, 0, 0, C2,
                                       lane);
+    }
+    if (j > 0 && int(threadIdx.x) < kChunk) {  // (nothing reads the gates in this phase)
+      sG[threadIdx.x] = g_reg;
+      sBeta[threadIdx.x] = beta_reg;
     }
   }
   if (B.dh0 == nullptr) return;
@@ -297,7 +377,8 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
 
 __host__ __device__ inline size_t dh_smem(int KP, int BV) {
   return sizeof(float) * 2 * kChunk +
-         sizeof(uint16_t) * (size_t(BV + 3 * kChunk) * (KP + kPad) + size_t(BV) * (2 * kChunk + kPad));
+         sizeof(uint16_t) * (size_t(BV + 5 * kChunk) * (KP + kPad) +
+                             size_t(kChunk) * (BV + kPad) + size_t(BV) * (2 * kChunk + kPad));
 }
 
 }  // namespace rlx::gdn::cuda
