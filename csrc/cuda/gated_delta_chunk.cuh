@@ -220,6 +220,42 @@ __device__ __forceinline__ void load_tile(uint16_t* dst, int ld, const uint16_t*
   }
 }
 
+__device__ __forceinline__ void zero16(uint16_t* p) {
+  uint32_t* q = reinterpret_cast<uint32_t*>(p);
+  q[0] = q[1] = q[2] = q[3] = 0;
+}
+
+// load_tile (unscaled, not transposed) with cp.async where rows move as 16-byte vectors, so
+// that the copies of several tiles are in flight at once; elsewhere load_tile itself. The
+// caller commits, waits and syncs the block before reading dst.
+template <Bits16 kind>
+__device__ __forceinline__ void load_tile_async(uint16_t* dst, int ld, const uint16_t* src,
+                                                int64_t stride, int rows, int cols, int rows_ok,
+                                                int cols_ok) {
+  const bool vec = cols_ok % 8 == 0 && stride % 8 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0 && cols % 8 == 0;
+  if (!vec) {
+    load_tile<kind, false>(dst, ld, src, stride, rows, cols, rows_ok, cols_ok);
+    return;
+  }
+  const int c8 = cols / 8;
+  for (int idx = threadIdx.x; idx < rows * c8; idx += blockDim.x) {
+    const int r = idx / c8, c = 8 * (idx % c8);
+    if (r < rows_ok && c < cols_ok) {
+      rlx::codebook::cuda::copy16_async(dst + r * ld + c, src + r * stride + c);
+    } else {
+      zero16(dst + r * ld + c);
+    }
+  }
+}
+
+// Waits for this thread's copies, then for the block's.
+__device__ __forceinline__ void tiles_landed() {
+  rlx::codebook::cuda::async_commit();
+  rlx::codebook::cuda::async_wait<0>();
+  __syncthreads();
+}
+
 // ---- prep: G, W' and U' of one chunk and value head (U' only where A.U is set) ------------
 template <Bits16 kind>
 __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) {

@@ -126,13 +126,13 @@ __global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdA
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
   }
-  load_tile<kind, false>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                         KP, len, d.K);
-  load_tile<kind, false>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                         KP, len, d.K);
-  load_tile<kind, false>(sDo, ldC, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                         kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
-  __syncthreads();
+  load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                        KP, len, d.K);
+  load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                        KP, len, d.K);
+  load_tile_async<kind>(sDo, ldC, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                        kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
+  tiles_landed();
   {
     float P[8][4] = {};
     warp_mma<kind, false, false, 8>(P, sQ, ldK, 16 * w, sK, ldK, 0, 0, KP, lane);

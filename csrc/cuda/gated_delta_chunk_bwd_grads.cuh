@@ -46,17 +46,17 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
   const uint16_t* dS = B.dS + (e.slot * d.HV + hv) * int64_t(KP) * VP;
   for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
     __syncthreads();  // the previous tile's readers are done
-    load_tile<kind, false>(sDo, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                           kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
-    load_tile<kind, false>(sDvw, ld, B.dvw + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
-                           kChunk, kBwdTile, len, kBwdTile);
-    load_tile<kind, false>(sU, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
-                           kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(sDo, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                          kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
+    load_tile_async<kind>(sDvw, ld, B.dvw + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                          kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(sU, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                          kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(sDs, ld, dS + int64_t(k0) * VP + v0, int64_t(VP), kBwdTile, kBwdTile,
+                          kBwdTile, kBwdTile);
     load_tile<kind, true>(sS0, ld, S0 + int64_t(v0) * KP + k0, int64_t(KP), kBwdTile, kBwdTile,
                           kBwdTile, kBwdTile);
-    load_tile<kind, false>(sDs, ld, dS + int64_t(k0) * VP + v0, int64_t(VP), kBwdTile, kBwdTile,
-                           kBwdTile, kBwdTile);
-    __syncthreads();
+    tiles_landed();
     warp_mma<kind, false, false, 8>(dQi, sDo, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(dWp, sDvw, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(dHU, sU, ld, 16 * w, sDs, ld, 0, 0, kBwdTile, lane);
@@ -69,12 +69,12 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
   uint16_t* sQ = sDo;
   uint16_t* sK = sDvw;
   const int k_ok = max(0, min(kBwdTile, d.K - k0));
-  load_tile<kind, false>(sQ, ld, A.q + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
-                         kChunk, kBwdTile, len, k_ok);
-  load_tile<kind, false>(sK, ld, A.k + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
-                         kChunk, kBwdTile, len, k_ok);
+  load_tile_async<kind>(sQ, ld, A.q + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
+                        kChunk, kBwdTile, len, k_ok);
+  load_tile_async<kind>(sK, ld, A.k + e.t0 * qk_stride + int64_t(h) * d.K + k0, qk_stride,
+                        kChunk, kBwdTile, len, k_ok);
   sRed[threadIdx.x] = hs;
-  __syncthreads();
+  tiles_landed();
   const float g_last = sG[len - 1];
   float rq[2] = {0.f, 0.f}, rk[2] = {0.f, 0.f};
 #pragma unroll
@@ -151,33 +151,36 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
     sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
   }
-  load_tile<kind, false>(sT, ld, A.Tinv + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
-                         kChunk, kChunk, len, kChunk);
+  load_tile_async<kind>(sT, ld, A.Tinv + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
+                        kChunk, kChunk, len, kChunk);  // (landed with the first tiles below)
   const int m0 = 16 * w;
   // dO u^T and dvw V^T over V; then Q K^T, K K^T and dW' (K o e^G)^T over K
   float dP[8][4] = {}, dT[8][4] = {}, QK[8][4] = {}, KK[8][4] = {};
   for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
     const int v_ok = max(0, min(kBwdTile, d.V - v0));
     __syncthreads();
-    load_tile<kind, false>(s0, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                           kChunk, kBwdTile, len, v_ok);
-    load_tile<kind, false>(s1, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
-                           kChunk, kBwdTile, len, kBwdTile);
-    load_tile<kind, false>(s2, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
-    load_tile<kind, false>(s3, ld, A.v + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                           kChunk, kBwdTile, len, v_ok);
-    __syncthreads();
+    load_tile_async<kind>(s0, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                          kChunk, kBwdTile, len, v_ok);
+    load_tile_async<kind>(s1, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+                          kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(s2, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(s3, ld, A.v + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
+                          kChunk, kBwdTile, len, v_ok);
+    tiles_landed();
     warp_mma<kind, false, false, 8>(dP, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(dT, s2, ld, m0, s3, ld, 0, 0, kBwdTile, lane);
   }
   for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
     const int k_ok = max(0, min(kBwdTile, d.K - k0));
     __syncthreads();
-    load_tile<kind, false>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile<kind, false>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile<kind, false>(s2, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok,
-                           [sG](int r) { return exp(sG[r]); });
-    load_tile<kind, false>(s3, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile_async<kind>(s3, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    tiles_landed();
+    for (int idx = threadIdx.x; idx < kChunk * kBwdTile; idx += blockDim.x) {  // K o e^G
+      const int r = idx / kBwdTile, c = idx % kBwdTile;
+      s2[r * ld + c] = float_to_bits<kind>(bits_to_float<kind>(s1[r * ld + c]) * exp(sG[r]));
+    }
     __syncthreads();
     warp_mma<kind, false, false, 8>(QK, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(KK, s1, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
@@ -224,10 +227,10 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
   for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
     const int k_ok = max(0, min(kBwdTile, d.K - k0));
     __syncthreads();
-    load_tile<kind, false>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile<kind, false>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile<kind, false>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
-    __syncthreads();
+    load_tile_async<kind>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile_async<kind>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    tiles_landed();
     float aq[8][4] = {}, ak[8][4] = {}, akg[8][4] = {};
     warp_mma<kind, false, true, 8>(aq, sDP, ld, m0, s1, ld, 0, 0, kChunk, lane);
     warp_mma<kind, true, true, 8>(ak, sDP, ld, m0, s0, ld, 0, 0, kChunk, lane);
@@ -256,8 +259,8 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
   // dv = T'^T dvw
   for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
     __syncthreads();
-    load_tile<kind, false>(s0, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
-    __syncthreads();
+    load_tile_async<kind>(s0, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
+    tiles_landed();
     float av[8][4] = {};
     warp_mma<kind, true, true, 8>(av, sT, ld, m0, s0, ld, 0, 0, kChunk, lane);
 #pragma unroll

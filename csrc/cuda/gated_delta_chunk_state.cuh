@@ -22,11 +22,6 @@ struct StateTile {
   }
 };
 
-__device__ __forceinline__ void zero16(uint16_t* p) {
-  uint32_t* q = reinterpret_cast<uint32_t*>(p);
-  q[0] = q[1] = q[2] = q[3] = 0;
-}
-
 template <Bits16 kind, int MT, int NT>
 __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A) {
   using Tile = StateTile<MT, NT>;
