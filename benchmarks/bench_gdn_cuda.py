@@ -214,7 +214,7 @@ def direct_ops(chunk_sizes, repeats=10):
         return statistics.median(times)
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, direct ops, bf16, "
-          f"per-head gate, B={B} T={T} H={H} K={K} V={V}, no l2norm")
+          f"per-head gate, B={B} T={T} H={H} K={K} V={V}, no l2norm ({rlx_torch.__file__})")
     rows, packed = [], {}
     for cs in chunk_sizes:
         outs = run_fwd(cs)
