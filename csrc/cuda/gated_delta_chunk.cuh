@@ -285,14 +285,14 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   for (int i = threadIdx.x; i < len; i += blockDim.x) A.G[(e.t0 + i) * d.HV + hv] = sG[i];
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
-  load_tile<kind, false>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
+  load_tile_async<kind>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
   load_tile<kind, true>(sKgT, ldC, k, qk_stride, kChunk, KP, len, d.K,
                         [sG](int r) { return exp(sG[r]); });
   if (A.U != nullptr) {  // (the backward's prep needs no U')
     load_tile<kind, true>(sVT, ldC, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
                           VP, len, d.V);
   }
-  __syncthreads();
+  tiles_landed();
   // M = strictly-lower(K K^T o e^(G_i - G_j)) diag(beta); warp w: rows 16w .. 16w + 15
   {
     float acc[8][4] = {};
@@ -399,15 +399,15 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
   }
-  load_tile<kind, false>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                         KP, len, d.K);
-  load_tile<kind, false>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                         KP, len, d.K);
-  load_tile<kind, false>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
-                         kOutCols, KP, kOutCols, KP);
+  load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                        KP, len, d.K);
+  load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                        KP, len, d.K);
+  load_tile_async<kind>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
+                        kOutCols, KP, kOutCols, KP);
   load_tile<kind, true>(sUT, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
                         kChunk, kOutCols, len, kOutCols);
-  __syncthreads();
+  tiles_landed();
   const int g4 = lane / 4, t2 = 2 * (lane % 4);
   // P = [j <= i] (Q K^T) o e^(G_i - G_j), rows 16w .. 16w + 15
   float P[8][4] = {};
