@@ -147,6 +147,26 @@ def test_one_row_misaligned_and_batched(dtype, m):
                                    rtol=rtol)
 
 
+@pytest.mark.parametrize("m", [1, 2])
+def test_one_row_forward_refills_code_slots(m):
+    # N = 5280 rows on 108-132 SMs: 40-56 rows a block, 5-7 passes of 8 rows; G = 1100: 9 parts
+    # on 8 part warps. Warp 0 takes 2 parts x 3-4 passes, more items than its 4 code slots, so
+    # slots are refilled while other passes are in flight; the last part is ragged.
+    n, groups = 5280, 1100
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    x = torch.randn(1, groups * 8, device="cuda", generator=gen).half()
+    idx = torch.randint(0, 256, (n, groups, m), device="cuda", dtype=torch.uint8, generator=gen)
+    cb = (torch.randn(m, 256, 8, device="cuda", generator=gen) / (groups * 8 * m) ** 0.5).half()
+    s = (torch.rand(n, device="cuda", generator=gen) + 0.5).half()
+    b = torch.randn(n, device="cuda", generator=gen).half()
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    w = sum(cb[i].double()[idx[:, :, i].long()] for i in range(m)).reshape(n, -1)
+    want = (x.double() @ w.T) * s.double() + b.double()
+    atol, rtol = tolerances(torch.float16)
+    torch.testing.assert_close(out.double(), want, atol=atol * 10, rtol=rtol)
+    assert torch.equal(rlx_torch.codebook_matmul(x, idx, cb, s, b), out)
+
+
 def test_empty_batch_and_empty_output():
     x, idx, cb, s, b = (t.requires_grad_() if t.is_floating_point() else t
                         for t in cuda(*make_inputs(0, 7, 3)))
