@@ -165,12 +165,6 @@ GEMV_CASES = {
     # the rows-per-block rule on a 4-SM device (80 rows a block, 10 passes), E = 255
     "rule_shape": (torch.bfloat16, 300, 64, 1, 255, False, False, True, 0, 4),
     "no_scales_no_bias_wide_off": (torch.float16, 17, 160, 1, 256, False, False, False, 8, 132),
-    # 9 parts on 8 part warps and 6 passes on 2 row warps: warp 0 has 6 items, more than its
-    # 4 code slots, so slots are refilled; the last block has 4 rows, the last part is ragged
-    "slots_refilled_two_codebooks": (torch.float16, 100, 1100, 2, 256, True, True, True, 48, 132),
-    # the same with byte-wise codes (G odd) in every slot
-    "slots_refilled_byte_codes_bf16": (torch.bfloat16, 70, 1101, 1, 256, False, True, True, 64,
-                                       132),
 }
 
 

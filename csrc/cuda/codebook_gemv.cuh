@@ -5,12 +5,11 @@
 // K is cut into parts of kGemvPartGroups groups. In a part, lane l owns the kGemvLaneGroups
 // consecutive groups from l * kGemvLaneGroups: its x values stay in registers (float32) for as
 // long as the warp works on that part, and its codes for one output row are one 4-byte (M = 1)
-// or 8-byte (M = 2) copy, 128 or 256 contiguous bytes for the warp. A warp takes passes of
-// kGemvPassRows output rows of its block (their codes copied into shared memory up to
-// kGemvStages passes ahead, see the kernel), looks up each code's entry with one 16-byte
-// shared-memory read and adds its 8 products into the row's float32 sum; the pass's 8 sums
-// are then added across the lanes by a transposing butterfly (9 shuffles for 8 rows instead
-// of 40). Each (part, row) sum is written once to shared memory,
+// or 8-byte (M = 2) load, 128 or 256 contiguous bytes for the warp. A warp takes passes of
+// kGemvPassRows output rows of its block (their codes loaded one pass ahead), looks up each
+// code's entry with one 16-byte shared-memory read and adds its 8 products into the row's
+// float32 sum; the pass's 8 sums are then added across the lanes by a transposing butterfly (9
+// shuffles for 8 rows instead of 40). Each (part, row) sum is written once to shared memory,
 // and the block adds a row's parts in part order and applies scales and bias. Every sum has a
 // fixed order and there are no atomics, so results are bitwise reproducible.
 //
@@ -32,7 +31,6 @@ constexpr int kGemvPartGroups = 32 * kGemvLaneGroups;     // groups of a part (K
 constexpr int kGemvPassRows = 8;                          // output rows of a warp's pass
 constexpr int kGemvCopies = 8;                            // copies of the codebook
 constexpr int kGemvWarps = 16;                            // warps of a block (8: 7-40% slower)
-constexpr int kGemvStages = 4;                            // items' codes in flight per warp
 
 // Launch shape: `rows` output rows per block (a multiple of kGemvPassRows), `part_warps`
 // warps across the parts (the block's warps are part_warps x warps / part_warps).
@@ -41,13 +39,10 @@ struct GemvShape {
   int64_t blocks;
 };
 
-// Shared memory of gemv_forward_kernel: the codebook copies [M][E][copies][8 values], the
-// warps' code slots [warps][stages][8 rows][32 lanes][4 M bytes] and the partial sums
-// [parts][rows].
-inline size_t gemv_smem(int M, int E, int parts, int rows, int copies = kGemvCopies,
-                        int warps = kGemvWarps, int stages = kGemvStages) {
+// Shared memory of gemv_forward_kernel: the codebook copies [M][E][copies][8 values] and the
+// partial sums [parts][rows].
+inline size_t gemv_smem(int M, int E, int parts, int rows, int copies = kGemvCopies) {
   return static_cast<size_t>(M) * E * copies * 16 +
-         static_cast<size_t>(warps) * stages * kGemvPassRows * 32 * 4 * M +
          static_cast<size_t>(parts) * rows * sizeof(float);
 }
 
@@ -96,19 +91,9 @@ struct GemvCodes {
 
 // Block b: output rows j0 = b * rows ... Warp (wp = warp % part_warps, wr = warp / part_warps)
 // takes parts wp, wp + part_warps, ... and in each the passes wr, wr + warps / part_warps, ...
-// of the block's rows: its items, in that order. `wide_codes`: every row's code bytes start at
-// a multiple of 4 M bytes (G % 4 == 0 and idx aligned), so a lane's bytes are one copy. x must
-// be 16-byte aligned.
-//
-// Code pipeline: each warp has STAGES slots in shared memory, one item's codes each (8 rows x
-// 32 lanes x 4 M bytes). A lane copies only the bytes it reads itself (cp.async of 4 M bytes
-// per row, one commit group per item), so no barrier orders the slots: item k is read after
-// the lane's wait leaves at most STAGES - 1 younger groups in flight, and its slot is refilled
-// with item k + STAGES once its products are done. The first STAGES items are requested before
-// the codebook is stored, so a warp with at most STAGES items has all its codes in flight from
-// the start and the DRAM latency is paid once, not once per item.
-template <Bits16 kind, int M, int WARPS = kGemvWarps, int COPIES = kGemvCopies,
-          int STAGES = kGemvStages>
+// of the block's rows. `wide_codes`: every row's code bytes start at a multiple of 4 M bytes
+// (G % 4 == 0 and idx aligned), so a lane's bytes are one load. x must be 16-byte aligned.
+template <Bits16 kind, int M, int WARPS = kGemvWarps, int COPIES = kGemvCopies>
 __global__ void __launch_bounds__(WARPS * 32)
     gemv_forward_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ idx,
                         const uint16_t* __restrict__ cb, const uint16_t* __restrict__ scales,
@@ -117,54 +102,40 @@ __global__ void __launch_bounds__(WARPS * 32)
   constexpr int THREADS = WARPS * 32, LG = kGemvLaneGroups, PR = kGemvPassRows;
   RLX_MMA_SMEM(smem_raw);
   uint4* C = reinterpret_cast<uint4*>(smem_raw);  // [M][E][copies]
-  GemvCodes<M>* slots = reinterpret_cast<GemvCodes<M>*>(
-      smem_raw + static_cast<size_t>(M) * E * COPIES * 16);  // [warps][stages][rows][lanes]
-  float* partial = reinterpret_cast<float*>(
-      smem_raw + static_cast<size_t>(M) * E * COPIES * 16 +
-      static_cast<size_t>(WARPS) * STAGES * PR * 32 * sizeof(GemvCodes<M>));
+  float* partial =
+      reinterpret_cast<float*>(smem_raw + static_cast<size_t>(M) * E * COPIES * 16);
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int wp = warp % part_warps, wr = warp / part_warps, row_warps = WARPS / part_warps;
   const int64_t j0 = static_cast<int64_t>(blockIdx.x) * rows;
   const int nrows = static_cast<int>(N - j0 < rows ? N - j0 : rows);
   const int passes = (nrows + PR - 1) / PR;
   const int64_t row_bytes = G * M;
-  // the warp's items: its parts times its passes of each part
-  const int my_passes = wr < passes ? (passes - wr + row_warps - 1) / row_warps : 0;
-  const int my_parts = wp < parts ? (parts - wp + part_warps - 1) / part_warps : 0;
-  const int items = my_passes * my_parts;
-  GemvCodes<M>* my_slots = slots + static_cast<size_t>(warp) * STAGES * PR * 32 + lane;
-  auto part_of = [&](int k) { return wp + part_warps * (k / my_passes); };
-  auto pass_of = [&](int k) { return wr + row_warps * (k % my_passes); };
 
-  // Requests item k's codes into slot k % STAGES and commits a group (empty past the items).
-  // Rows past the block's end and groups past K get code 0 (read, never used).
-  auto request = [&](int k) {
-    if (k < items) {
-      const int p = part_of(k), ps = pass_of(k);
-      const int64_t g0 = static_cast<int64_t>(p) * kGemvPartGroups + lane * LG;
-      const bool whole = wide_codes && g0 + LG <= G;
-      GemvCodes<M>* slot = my_slots + (k % STAGES) * PR * 32;
+  // The lane's codes of pass ps of part p (rows past the block's end: code 0, never stored).
+  auto fetch = [&](GemvCodes<M> (&c)[PR], int p, int ps) {
+    const int64_t g0 = static_cast<int64_t>(p) * kGemvPartGroups + lane * LG;
+    const bool whole = wide_codes && g0 + LG <= G;
 #pragma unroll
-      for (int i = 0; i < PR; ++i) {
-        const int r = ps * PR + i;
-        const uint8_t* src = idx + (j0 + r) * row_bytes + g0 * M;
-        if (whole && r < nrows) {
-          copy_async<4 * M>(slot + i * 32, src);
+    for (int i = 0; i < PR; ++i) {
+      const int r = ps * PR + i;
+#pragma unroll
+      for (int m = 0; m < M; ++m) c[i].w[m] = 0u;
+      if (r >= nrows) continue;
+      const uint8_t* src = idx + (j0 + r) * row_bytes + g0 * M;
+      if (whole) {
+        if constexpr (M == 1) {
+          c[i].w[0] = RLX_LDG(reinterpret_cast<const uint32_t*>(src));
         } else {
-          GemvCodes<M> c;
+          const uint2 v = RLX_LDG(reinterpret_cast<const uint2*>(src));
+          c[i].w[0] = v.x, c[i].w[1] = v.y;
+        }
+      } else {
 #pragma unroll
-          for (int m = 0; m < M; ++m) c.w[m] = 0u;
-          if (r < nrows) {
-#pragma unroll
-            for (int b = 0; b < LG * M; ++b) {
-              if (g0 + b / M < G) c.w[b / 4] |= uint32_t(RLX_LDG(src + b)) << (8 * (b % 4));
-            }
-          }
-          slot[i * 32] = c;
+        for (int b = 0; b < LG * M; ++b) {
+          if (g0 + b / M < G) c[i].w[b / 4] |= uint32_t(RLX_LDG(src + b)) << (8 * (b % 4));
         }
       }
     }
-    async_commit();
   };
   // The lane's x values of part p, float32 (zero past K).
   float xv[LG][8];
@@ -181,37 +152,34 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   };
 
-  // The first STAGES items' codes and the first part's x are requested before the codebook is
-  // stored, so their latency overlaps the copies.
-#pragma unroll
-  for (int k = 0; k < STAGES; ++k) request(k);
-  if (items > 0) load_x(part_of(0));
+  // The warp's first pass: its codes and x are requested before the codebook is stored, so
+  // their latency overlaps the copies.
+  int p = wp, ps = wr;
+  bool have = p < parts && ps < passes;
+  GemvCodes<M> cur[PR]{}, nxt[PR]{};
+  if (have) {
+    fetch(cur, p, ps);
+    load_x(p);
+  }
   // Thread i stores entry i's copies, copy (c + i) % 8 at step c: the 8 threads of a quarter
-  // warp store to 8 different bank groups. An entry is one 16-byte load where cb allows it.
-  const bool cb16 = reinterpret_cast<uintptr_t>(cb) % 16 == 0;
+  // warp store to 8 different bank groups.
   for (int i = tid; i < M * E; i += THREADS) {
-    uint4 v;
-    if (cb16) {
-      v = RLX_LDG(reinterpret_cast<const uint4*>(cb) + i);
-    } else {
-      uint32_t h[8];
+    uint32_t h[8];
 #pragma unroll
-      for (int t = 0; t < 8; ++t) h[t] = RLX_LDG(cb + static_cast<size_t>(i) * 8 + t);
-      v = uint4{h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16};
-    }
+    for (int t = 0; t < 8; ++t) h[t] = RLX_LDG(cb + static_cast<size_t>(i) * 8 + t);
+    const uint4 v{h[0] | h[1] << 16, h[2] | h[3] << 16, h[4] | h[5] << 16, h[6] | h[7] << 16};
 #pragma unroll
     for (int c = 0; c < COPIES; ++c) C[i * COPIES + (c + i) % COPIES] = v;
   }
   __syncthreads();
 
   const uint4* Cl = C + lane % COPIES;  // the lane's copy of entry 0 of codebook 0
-  for (int k = 0; k < items; ++k) {
-    const int p = part_of(k), ps = pass_of(k);
-    async_wait<STAGES - 1>();  // item k's group (and every older one) has landed
-    GemvCodes<M> cur[PR];
-    const GemvCodes<M>* slot = my_slots + (k % STAGES) * PR * 32;
-#pragma unroll
-    for (int i = 0; i < PR; ++i) cur[i] = slot[i * 32];
+  while (have) {
+    // the warp's next item: the next pass of this part, else the first of its next part
+    int np = p, nps = ps + row_warps;
+    if (nps >= passes) np = p + part_warps, nps = wr;
+    const bool next = np < parts;
+    if (next) fetch(nxt, np, nps);
 
     float acc[PR];
 #pragma unroll
@@ -250,8 +218,6 @@ __global__ void __launch_bounds__(WARPS * 32)
     } else {
       products(std::true_type{});
     }
-    // the slot's codes are in registers and used: refill it
-    request(k + STAGES);
     // Transposing butterfly: after the xor-16, -8 and -4 steps lane l holds one row's sum over
     // its 4-lane column, row (l >> 2) & 7; the xor-2 and -1 steps finish it.
 #pragma unroll
@@ -276,9 +242,11 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int r = ps * PR + ((lane >> 2) & 7);
     if ((lane & 3) == 0 && r < nrows) partial[p * rows + r] = acc[0];
 
-    if (k + 1 < items && part_of(k + 1) != p) load_x(part_of(k + 1));
+    if (next && np != p) load_x(np);
+    p = np, ps = nps, have = next;
+#pragma unroll
+    for (int i = 0; i < PR; ++i) cur[i] = nxt[i];
   }
-  async_wait<0>();  // no copy outlives the block
   __syncthreads();
   for (int r = tid; r < nrows; r += THREADS) {
     float v = 0.f;

@@ -43,12 +43,6 @@ namespace rlx::codebook::cuda {
 constexpr int kMmaTileRows = 16;   // output rows of a row tile (the mma's M)
 constexpr int kWindowGroups = 16;  // groups per window: 8 k-steps of 2 groups
 constexpr int kMmaMaxRows = 16;    // batch rows: two n8 tiles
-// Copies of the codebook in shared memory: entry e's copy c at 16-byte slot e * copies + c,
-// lane l reading copy (l / 2) % copies. A 64-bit read is served 16 lanes at a time; those
-// lanes read 8 copies (lane pairs) times 2 halves of an entry (quarter = l % 2), i.e. 16
-// different 8-byte bank pairs whatever their codes, where one copy lets random entries
-// collide (5.1 wavefronts per read measured against 2 without conflicts).
-constexpr int kMmaCopies = 8;
 
 enum class Bits16 { kHalf, kBFloat16 };
 
@@ -129,18 +123,6 @@ __device__ __forceinline__ void copy16_async(void* smem, const void* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(gmem) : "memory");
 }
-// Copies of 4 or 8 bytes (cp.async.ca: the sizes below 16 go through L1).
-template <int BYTES>
-__device__ __forceinline__ void copy_async(void* smem, const void* gmem) {
-  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-  if constexpr (BYTES == 16) {
-    copy16_async(smem, gmem);
-  } else {
-    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(dst), "l"(gmem), "n"(BYTES)
-                 : "memory");
-  }
-}
 __device__ __forceinline__ void async_commit() {
   asm volatile("cp.async.commit_group;" ::: "memory");
 }
@@ -156,19 +138,13 @@ struct AsyncCopies {
   struct Copy {
     void* dst;
     const void* src;
-    size_t bytes;
   };
   std::vector<Copy> open;                 // issued since the last commit
   std::vector<std::vector<Copy>> groups;  // committed, oldest first
 };
 inline thread_local AsyncCopies async_copies;
 inline void copy16_async(void* smem, const void* gmem) {
-  async_copies.open.push_back({smem, gmem, 16});
-}
-template <int BYTES>
-inline void copy_async(void* smem, const void* gmem) {
-  static_assert(BYTES == 4 || BYTES == 8 || BYTES == 16, "cp.async copies 4, 8 or 16 bytes");
-  async_copies.open.push_back({smem, gmem, size_t(BYTES)});
+  async_copies.open.push_back({smem, gmem});
 }
 inline void async_commit() {
   async_copies.groups.push_back(std::move(async_copies.open));
@@ -178,7 +154,7 @@ template <int N>
 inline void async_wait() {
   auto& g = async_copies.groups;
   while (g.size() > size_t(N)) {
-    for (const auto& c : g.front()) std::memcpy(c.dst, c.src, c.bytes);
+    for (const auto& c : g.front()) std::memcpy(c.dst, c.src, 16);
     g.erase(g.begin());
   }
 }
@@ -209,13 +185,12 @@ inline bool mma_async_codes(int64_t G, int M, const void* idx) {
   return (G * M) % 16 == 0 && reinterpret_cast<uintptr_t>(idx) % 16 == 0;
 }
 
-// Shared memory of mma_forward_kernel: the codebook copies [M][E][copies][8], then the block's
-// codes [16 RT][stride] (reused for the warps' partial sums once the products are done).
-inline size_t mma_forward_smem(int64_t M, int64_t E, int NT, int RT, int warps, int64_t G,
-                               int copies = kMmaCopies) {
+// Shared memory of mma_forward_kernel: the codebook [M][E][8], then the block's codes
+// [16 RT][stride] (reused for the warps' partial sums once the products are done).
+inline size_t mma_forward_smem(int64_t M, int64_t E, int NT, int RT, int warps, int64_t G) {
   const size_t codes = static_cast<size_t>(kMmaTileRows * RT * mma_code_stride(G, int(M)));
   const size_t red = static_cast<size_t>(warps) * kMmaTileRows * RT * 8 * NT * sizeof(float);
-  return static_cast<size_t>(M * E * 16 * copies) + (codes > red ? codes : red);
+  return static_cast<size_t>(M * E * 16) + (codes > red ? codes : red);
 }
 
 // B (x) of one window for NT n8 tiles and 8 k-steps: lane (gid, tig) holds x[n = 8 nt + gid]
@@ -255,7 +230,7 @@ __device__ __forceinline__ void load_x_window(XWindow<NT>& w, const uint16_t* __
 // has landed. A lane's B (x) comes from global memory (one window ahead) and serves the RT row
 // tiles. `async_codes`: the rows' code bytes are whole 16-byte vectors at 16-byte addresses
 // (else they are copied byte by byte); `async_cb`: the codebook is 16-byte aligned.
-template <Bits16 kind, int NT, int M, int RT, int WARPS, int COPIES = kMmaCopies>
+template <Bits16 kind, int NT, int M, int RT, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32)
     mma_forward_kernel(const uint16_t* __restrict__ x, const uint8_t* __restrict__ idx,
                        const uint16_t* __restrict__ cb, const uint16_t* __restrict__ scales,
@@ -264,9 +239,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   RLX_MMA_SMEM(smem_raw);
   constexpr int BT = 8 * NT, ROWS = kMmaTileRows * RT, THREADS = WARPS * 32;
   const int64_t stride = mma_code_stride(G, M);
-  uint16_t* C = reinterpret_cast<uint16_t*>(smem_raw);  // [M][E][COPIES][8]
+  uint16_t* C = reinterpret_cast<uint16_t*>(smem_raw);  // [M][E][8]
   const int nb = static_cast<int>(B < BT ? B : BT);
-  uint8_t* codes = smem_raw + static_cast<size_t>(M) * E * COPIES * 16;  // [ROWS][stride]
+  uint8_t* codes = smem_raw + static_cast<size_t>(M) * E * 16;  // [ROWS][stride]
   float* red = reinterpret_cast<float*>(codes);                  // [WARPS][ROWS][BT], later
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   const int gid = lane / 4, tig = lane % 4, half = tig >> 1, quarter = tig & 1;
@@ -276,12 +251,10 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int64_t round_bytes = int64_t(kWindowGroups) * WARPS * M;  // per row
   const int64_t row_bytes = G * M;
 
-  if (async_cb) {  // slot i = entry i / COPIES, copy i % COPIES
-    for (int i = tid; i < M * E * COPIES; i += THREADS)
-      copy16_async(C + i * 8, cb + i / COPIES * 8);
+  if (async_cb) {
+    for (int i = tid; i < M * E; i += THREADS) copy16_async(C + i * 8, cb + i * 8);
   } else {
-    for (int i = tid; i < M * E * COPIES * 8; i += THREADS)
-      C[i] = cb[i / (8 * COPIES) * 8 + i % 8];
+    for (int i = tid; i < M * E * 8; i += THREADS) C[i] = cb[i];
   }
   async_commit();
   if (async_codes) {
@@ -315,9 +288,9 @@ __global__ void __launch_bounds__(WARPS * 32)
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[t][nt][i] = 0.f;
-  const uint16_t* Cm[M];  // the lane's half of its copy of entry 0 of each codebook
+  const uint16_t* Cm[M];  // the lane's half of entry 0 of each codebook
 #pragma unroll
-  for (int m = 0; m < M; ++m) Cm[m] = C + (m * E * COPIES + (lane / 2) % COPIES) * 8 + 4 * quarter;
+  for (int m = 0; m < M; ++m) Cm[m] = C + m * E * 8 + 4 * quarter;
   XWindow<NT> next{};
   if (warp < windows)
     load_x_window<NT>(next, x, warp * int64_t(kWindowGroups), G, nb, lane);
@@ -345,7 +318,7 @@ __global__ void __launch_bounds__(WARPS * 32)
           cw[t][q][0] = v.x, cw[t][q][1] = v.y, cw[t][q][2] = v.z, cw[t][q][3] = v.w;
         }
       }
-    // k-step s: every lane looks up its rows' entries (8 bytes of its copy) for the
+    // k-step s: every lane looks up its rows' entries (8 bytes at Cm[m] + code * 8) for the
     // groups g0 + s + 8 half; a window that runs past K (ragged) masks its codes and A.
     auto products = [&](auto ragged_tag) {
       constexpr bool kRagged = decltype(ragged_tag)::value;
@@ -362,7 +335,7 @@ __global__ void __launch_bounds__(WARPS * 32)
               const int byte = s * M + m;
               uint32_t code = (cw[t][q][byte / 4] >> (8 * (byte % 4))) & 0xffu;
               if (kRagged) code = valid ? code : 0u;
-              const uint2 e = *reinterpret_cast<const uint2*>(Cm[m] + code * (COPIES * 8));
+              const uint2 e = *reinterpret_cast<const uint2*>(Cm[m] + code * 8);
               a[q] = kRagged && !valid ? 0u : e.x;      // rows gid (+ 8 q), logical k 2 tig, +1
               a[2 + q] = kRagged && !valid ? 0u : e.y;  // logical k 2 tig + 8, 2 tig + 9
             }
