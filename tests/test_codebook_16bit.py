@@ -60,6 +60,7 @@ SHAPES = [
     (3, 33, 7, 16, 5000, 1),
     (5, 21, 9, 3, 1000, 1),  # D = 3: the any-D loops
     (16, 40, 6, 8, 65536, 2),
+    (4, 13, 5, 8, 700, 3),  # M = 3: the codebook count known only at run time
     (40, 17, 6, 8, 40000, 1),
     ((2, 3, 2), 15, 4, 8, 257, 1),
 ]
@@ -255,7 +256,8 @@ def test_backward_non_contiguous_and_stride0_inputs():
 @pytest.mark.parametrize("rows,n,groups,d,e,m", [(1, 37, 5, 8, 65536, 1), (2, 19, 7, 8, 300, 2),
                                                  (5, 33, 4, 8, 65536, 1), (16, 21, 6, 8, 40000, 1),
                                                  (3, 9, 3, 4, 1000, 1), (40, 17, 6, 8, 5000, 1),
-                                                 ((2, 3), 11, 4, 8, 65536, 1)])
+                                                 ((2, 3), 11, 4, 8, 65536, 1),
+                                                 (1, 23, 5, 8, 900, 3)])
 def test_half_codebook_with_float32_x(cb_dtype, rows, n, groups, d, e, m):
     x, idx, cb, s, b = make(rows, n, groups, d, e, m, seed=n * groups)
     cb = cb.to(cb_dtype)

@@ -23,12 +23,15 @@ namespace {
 // gather_rows_fixed for a float16 or bfloat16 codebook with D = 8: each entry is one 16-byte
 // load widened to float32 in registers (exact: vcvtph2ps, or a 16-bit shift for bfloat16), so
 // the random entry reads cover a table half the size of a float32 copy. Same tiles, same
-// per-row summation order as the float32 kernel.
-template <bool Bf16, int BT, int JT>
+// per-row summation order as the float32 kernel. FixedM > 0 fixes the codebook count at
+// compile time (1x16, 2x16): the code offsets then advance by constants and stay in registers
+// instead of being reloaded from the stack, which costs a load per code next to the entry's.
+template <bool Bf16, int BT, int JT, int FixedM>
 __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
     const Dims& d, const float* xt, const uint16_t* idx, const uint16_t* cb, int64_t j0,
     int64_t j1, float* raw, int64_t raw_stride, BadIndex& bad) {
-  const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, K = d.in_features;
+  const int64_t G = d.groups, E = d.num_entries, K = d.in_features;
+  const int64_t M = FixedM > 0 ? FixedM : d.num_codebooks;
   const int64_t steps = G * M;
   for (int64_t j = j0; j < j1; j += JT) {
     const int64_t nj = std::min<int64_t>(JT, j1 - j);
@@ -63,14 +66,22 @@ __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
         }
       }
     }
-    for (int q = 0; q < nj; ++q)
+    // Every row's sum with constant indices, then the nj kept: indexing acc by the run-time
+    // nj would make the compiler keep acc in memory through the whole loop above.
+    float sums[JT][BT];
+    RLX_UNROLL
+    for (int q = 0; q < JT; ++q) {
+      RLX_UNROLL
       for (int b = 0; b < BT; ++b) {
         alignas(32) float lanes[8];
         _mm256_store_ps(lanes, acc[q][b]);
         float s = 0;
         for (int t = 0; t < 8; ++t) s += lanes[t];
-        raw[b * raw_stride + j + q] = s;
+        sums[q][b] = s;
       }
+    }
+    for (int q = 0; q < nj; ++q)
+      for (int b = 0; b < BT; ++b) raw[b * raw_stride + j + q] = sums[q][b];
   }
 }
 #endif
@@ -90,14 +101,25 @@ int64_t gather_forward_half_rows(const Dims& d, const float* x, const uint16_t* 
   BadIndex bad;
 #ifdef RLX_HALF_GATHER
   if (d.rows == 0 || d.out_features == 0) return -1;
-  warm_codebook(cb, d.num_codebooks * d.num_entries * 8 * 2);
-  gather_tiles(d, x, raw,
+  gather_tiles(d, x, raw, cb, d.num_codebooks * d.num_entries * 8 * 2,
                [&](auto bt, auto jt, const float* xt, int64_t j0, int64_t j1, float* dst) {
                  constexpr int BT = decltype(bt)::value, JT = decltype(jt)::value;
-                 if (bf16)
-                   gather_rows_half8<true, BT, JT>(d, xt, idx, cb, j0, j1, dst, d.out_features, bad);
+                 const auto with_m = [&](auto fixed_m) {
+                   constexpr int FM = decltype(fixed_m)::value;
+                   if (bf16)
+                     gather_rows_half8<true, BT, JT, FM>(d, xt, idx, cb, j0, j1, dst,
+                                                         d.out_features, bad);
+                   else
+                     gather_rows_half8<false, BT, JT, FM>(d, xt, idx, cb, j0, j1, dst,
+                                                          d.out_features, bad);
+                 };
+                 using std::integral_constant;
+                 if (d.num_codebooks == 1)
+                   with_m(integral_constant<int, 1>{});
+                 else if (d.num_codebooks == 2)
+                   with_m(integral_constant<int, 2>{});
                  else
-                   gather_rows_half8<false, BT, JT>(d, xt, idx, cb, j0, j1, dst, d.out_features, bad);
+                   with_m(integral_constant<int, 0>{});
                });
 #endif
   return bad.top.load();

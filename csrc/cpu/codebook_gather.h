@@ -52,14 +52,18 @@ struct BadIndex {
 inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward work item
 
 // raw[b0 + b, j] (b < BT) for rows j in [j0, j1): JT rows at a time give JT*BT independent
-// accumulator chains. xt is [BT][K] in acc_t (zero rows past the batch). Compile-time D.
-template <typename acc_t, int D, int BT, int JT>
+// accumulator chains. xt is [BT][K] in acc_t (zero rows past the batch). Compile-time D;
+// FixedM > 0 fixes the codebook count too (1x16, 2x16), so that the code offsets advance by
+// constants and stay in registers instead of being reloaded from the stack (a load per code
+// next to the entry's).
+template <typename acc_t, int D, int BT, int JT, int FixedM>
 void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, const acc_t* cb,
                        int64_t j0, int64_t j1, acc_t* raw, int64_t raw_stride, BadIndex& bad) {
   // One codebook entry, D lanes of acc_t (D in {4, 8, 16}: 16 to 128 bytes, one to four AVX
   // registers).
   using V = Vec<acc_t, D>;
-  const int64_t G = d.groups, M = d.num_codebooks, E = d.num_entries, K = d.in_features;
+  const int64_t G = d.groups, E = d.num_entries, K = d.in_features;
+  const int64_t M = FixedM > 0 ? FixedM : d.num_codebooks;
   const int64_t steps = G * M;
   for (int64_t j = j0; j < j1; j += JT) {
     const int64_t nj = std::min<int64_t>(JT, j1 - j);
@@ -88,12 +92,20 @@ void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, cons
         }
       }
     }
-    for (int q = 0; q < nj; ++q)
+    // Every row's sum with constant indices, then the nj kept: indexing acc by the run-time
+    // nj would make the compiler keep acc in memory through the whole loop above.
+    acc_t sums[JT][BT];
+    RLX_UNROLL
+    for (int q = 0; q < JT; ++q) {
+      RLX_UNROLL
       for (int b = 0; b < BT; ++b) {
         acc_t s = 0;
         for (int t = 0; t < D; ++t) s += acc[q][b][t];
-        raw[b * raw_stride + j + q] = s;
+        sums[q][b] = s;
       }
+    }
+    for (int q = 0; q < nj; ++q)
+      for (int b = 0; b < BT; ++b) raw[b * raw_stride + j + q] = sums[q][b];
   }
 }
 
@@ -125,10 +137,11 @@ void gather_rows_any(const Dims& d, const acc_t* xt, int64_t nb, const uint16_t*
   }
 }
 
-// Reads the codebook once, line by line, in order, before the gathers. After other work (a
-// layer's dense product, another layer's codebook) its lines come from DRAM; a sequential
-// pass, which the hardware prefetcher streams, costs less than fetching each line on first
-// use at the random reads' latency (and a little more than nothing when it is still cached).
+// Reads the codebook once, line by line, in order, before the gathers (on every thread that
+// gathers: each core reads it into its own L2). After other work (a layer's dense product,
+// another layer's codebook) its lines come from DRAM or L3; a sequential pass, which the
+// hardware prefetcher streams, costs less than fetching each line on first use at the random
+// reads' latency (and a little more than nothing when it is still cached).
 inline void warm_codebook(const void* table, int64_t bytes) {
   const auto* p = static_cast<const unsigned char*>(table);
   unsigned acc = 0;
@@ -140,19 +153,30 @@ inline void warm_codebook(const void* table, int64_t bytes) {
 // thread is free: a thread that starts late (a busy machine) finds the items done instead of
 // holding the others up with a static share. Each item writes only its own outputs, so the
 // result does not depend on who ran it.
-template <typename F>
-void for_each_item(int64_t items, const F& f) {
+// first_on_thread() runs once on each thread before its first item (not at all on a thread
+// that finds the items done).
+template <typename F, typename First>
+void for_each_item(int64_t items, const F& f, const First& first_on_thread) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    for (int64_t it = next.fetch_add(1); it < items; it = next.fetch_add(1)) f(it);
+    int64_t it = next.fetch_add(1);
+    if (it < items) first_on_thread();
+    for (; it < items; it = next.fetch_add(1)) f(it);
   });
+}
+
+template <typename F>
+void for_each_item(int64_t items, const F& f) {
+  for_each_item(items, f, [] {});
 }
 
 // Batch tiles of BT rows (zero padded), then output-row blocks in parallel: calls
 // rows(bt, jt, xt, j0, j1, dst) with bt, jt std::integral_constant tile sizes (C++17: no
-// template lambdas), xt [BT][K] and dst the tile's [BT][N] output (row stride N).
+// template lambdas), xt [BT][K] and dst the tile's [BT][N] output (row stride N). Each thread
+// first reads the table (table_bytes bytes) with warm_codebook.
 template <typename acc_t, typename Rows>
-void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const Rows& rows) {
+void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const void* table,
+                  int64_t table_bytes, const Rows& rows) {
   const int64_t B = d.rows, N = d.out_features, K = d.in_features;
   const auto run = [&](auto bt, auto jt) {
     constexpr int BT = decltype(bt)::value;
@@ -170,7 +194,7 @@ void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const Rows& row
       for_each_item(ceil_div(N, kGatherRowsPerItem), [&](int64_t it) {
         const int64_t j0 = it * kGatherRowsPerItem;
         rows(bt, jt, xt, j0, std::min(N, j0 + kGatherRowsPerItem), dst);
-      });
+      }, [&] { warm_codebook(table, table_bytes); });
       if (nb < BT) std::copy_n(tile.data(), nb * N, raw + b0 * N);
     }
   };
@@ -193,14 +217,19 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
                     acc_t* raw, BadIndex& bad) {
   const int64_t B = d.rows, N = d.out_features, D = d.entry_dim;
   if (B == 0 || N == 0) return;
-  warm_codebook(cb, d.num_codebooks * d.num_entries * D * int64_t(sizeof(acc_t)));
+  const int64_t table_bytes = d.num_codebooks * d.num_entries * D * int64_t(sizeof(acc_t));
   using std::integral_constant;
   const auto by_batch = [&](auto dd) {
     constexpr int DD = decltype(dd)::value;
-    gather_tiles(d, x_acc, raw, [&](auto bt, auto jt, const acc_t* xt, int64_t j0, int64_t j1,
+    gather_tiles(d, x_acc, raw, cb, table_bytes, [&](auto bt, auto jt, const acc_t* xt, int64_t j0, int64_t j1,
                                     acc_t* dst) {
-      gather_rows_fixed<acc_t, DD, decltype(bt)::value, decltype(jt)::value>(d, xt, idx, cb, j0,
-                                                                              j1, dst, N, bad);
+      constexpr int BT = decltype(bt)::value, JT = decltype(jt)::value;
+      if (d.num_codebooks == 1)
+        gather_rows_fixed<acc_t, DD, BT, JT, 1>(d, xt, idx, cb, j0, j1, dst, N, bad);
+      else if (d.num_codebooks == 2)
+        gather_rows_fixed<acc_t, DD, BT, JT, 2>(d, xt, idx, cb, j0, j1, dst, N, bad);
+      else
+        gather_rows_fixed<acc_t, DD, BT, JT, 0>(d, xt, idx, cb, j0, j1, dst, N, bad);
     });
   };
   if (D == 8) {
@@ -210,6 +239,7 @@ void gather_forward(const Dims& d, const acc_t* x_acc, const uint16_t* idx, cons
   } else if (D == 4) {
     by_batch(integral_constant<int, 4>{});
   } else {
+    warm_codebook(cb, table_bytes);
     at::parallel_for(0, ceil_div(N, kGatherRowsPerItem), 1, [&](int64_t begin, int64_t end) {
       for (int64_t it = begin; it < end; ++it) {
         const int64_t j0 = it * kGatherRowsPerItem;
