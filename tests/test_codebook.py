@@ -53,6 +53,9 @@ SHAPES = [
     # K split into several group chunks (the last one short), reduced in chunk order.
     (3, 29, 70, 8, 256, 2),
     (1, 45, 300, 4, 40, 1),
+    # Two batch tiles, each split into K chunks whose sums are added by several reduction
+    # items (N over 512 output rows, not a multiple of 16).
+    (20, 1100, 130, 8, 256, 1),
 ]
 
 
@@ -158,9 +161,10 @@ def test_opcheck():
         )
 
 
-def test_deterministic_across_calls_and_thread_counts():
-    x, idx, cb, s, b = make_inputs(40, 300, 24, m=2)
-    grad_out = torch.randn(40, 300)
+@pytest.mark.parametrize("rows,n,groups,m", [(40, 300, 24, 2), (20, 1100, 130, 1)])
+def test_deterministic_across_calls_and_thread_counts(rows, n, groups, m):
+    x, idx, cb, s, b = make_inputs(rows, n, groups, m=m)
+    grad_out = torch.randn(rows, n)
     mask = [True, True, False, False]
     out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
     grads = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, mask)

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <memory>
 #include <new>
+#include <thread>
 #include <type_traits>
 #include <vector>
 
@@ -164,9 +165,11 @@ inline void prefetch_rows(const uint8_t* const* ip, int64_t ahead, int64_t steps
 
 // acc[j - j0][b] += sum_{g in block, m} L[g][m][idx[j, g0+g, m]][b] for j in [j0, j1).
 // JT output rows at a time give independent add chains (latency, not throughput, bound).
+// accumulate = false: acc is written, not read (the first block of a chunk: no zeroing pass).
 template <typename acc_t, int BT, int JT>
 RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, int64_t g0,
-                             int64_t ng, int64_t j0, int64_t j1, acc_t* acc) {
+                             int64_t ng, int64_t j0, int64_t j1, acc_t* acc,
+                             bool accumulate = true) {
   const int64_t M = d.num_codebooks, E = d.num_entries, row_stride = d.groups * M;
   const int64_t steps = ng * M;
   if constexpr (BT == 1) {
@@ -176,7 +179,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       const uint8_t* ip[JT];
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
-        a[q] = acc[j + q - j0];
+        a[q] = accumulate ? acc[j + q - j0] : acc_t(0);
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       int64_t gm = 0;
@@ -202,7 +205,7 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       for (int q = 0; q < JT; ++q) acc[j + q - j0] = a[q];
     }
     for (; j < j1; ++j) {
-      acc_t a = acc[j - j0];
+      acc_t a = accumulate ? acc[j - j0] : acc_t(0);
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) a += L[gm * E + ip[gm]];
       acc[j - j0] = a;
@@ -217,7 +220,8 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
       RLX_UNROLL
       for (int q = 0; q < JT; ++q) {
         RLX_UNROLL
-        for (int v = 0; v < NV; ++v) a[q][v] = load_tile_vec<V>(acc + (j + q - j0) * BT + v * W);
+        for (int v = 0; v < NV; ++v)
+          a[q][v] = accumulate ? load_tile_vec<V>(acc + (j + q - j0) * BT + v * W) : V{};
         ip[q] = idx + (j + q) * row_stride + g0 * M;
       }
       if (j + kPrefetchRows + JT <= j1) prefetch_rows<JT>(ip, kPrefetchRows * row_stride, steps);
@@ -238,7 +242,8 @@ RLX_NO_SLP void gather_block(const Dims& d, const uint8_t* idx, const acc_t* L, 
     for (; j < j1; ++j) {
       V a[NV];
       RLX_UNROLL
-      for (int v = 0; v < NV; ++v) a[v] = load_tile_vec<V>(acc + (j - j0) * BT + v * W);
+      for (int v = 0; v < NV; ++v)
+        a[v] = accumulate ? load_tile_vec<V>(acc + (j - j0) * BT + v * W) : V{};
       const uint8_t* ip = idx + j * row_stride + g0 * M;
       for (int64_t gm = 0; gm < steps; ++gm) {
         const acc_t* r = L + (gm * E + ip[gm]) * BT;
@@ -263,6 +268,56 @@ inline int64_t group_chunks(int64_t num_tiles, int64_t num_blocks) {
   return std::clamp<int64_t>(ceil_div(kMinWorkItems, num_tiles), 1, num_blocks);
 }
 
+// out[b0 + b, j] = s_j * sum_c parts[c][j - j0][b] + bias_j for b < nb, j in [j0, j1): the
+// partial sums of a tile's chunks added in chunk order (one part: no sum), out_t is scalar_t
+// or acc_t. Rows go 16 output features at a time through a small [16][BT] buffer, so that the
+// stores into out's rows are contiguous runs, not one element every N.
+template <typename scalar_t, typename acc_t, typename out_t, int BT>
+void write_out_rows(const Dims& d, const acc_t* parts, int64_t num_parts, int64_t part_stride,
+                    const scalar_t* scales, const scalar_t* bias, int64_t b0, int64_t nb,
+                    int64_t j0, int64_t j1, out_t* out) {
+  constexpr int JB = 16;
+  const int64_t N = d.out_features;
+  alignas(64) acc_t sum[JB * BT];
+  for (int64_t j = j0; j < j1; j += JB) {
+    const int64_t nj = std::min<int64_t>(JB, j1 - j);
+    const acc_t* first = parts + (j - j0) * BT;
+    std::copy_n(first, nj * BT, sum);
+    for (int64_t c = 1; c < num_parts; ++c) {
+      const acc_t* p = first + c * part_stride;
+      RLX_UNROLL_BY_16
+      for (int64_t i = 0; i < nj * BT; ++i) sum[i] += p[i];
+    }
+    acc_t s[JB], bj[JB];
+    for (int64_t q = 0; q < nj; ++q) {
+      s[q] = scales ? static_cast<acc_t>(scales[j + q]) : acc_t(1);
+      bj[q] = bias ? static_cast<acc_t>(bias[j + q]) : acc_t(0);
+    }
+    for (int64_t b = 0; b < nb; ++b) {
+      out_t* o = out + (b0 + b) * N + j;
+      if (nj == JB) {
+        RLX_UNROLL
+        for (int q = 0; q < JB; ++q) o[q] = static_cast<out_t>(sum[q * BT + b] * s[q] + bj[q]);
+      } else {
+        for (int64_t q = 0; q < nj; ++q) o[q] = static_cast<out_t>(sum[q * BT + b] * s[q] + bj[q]);
+      }
+    }
+  }
+}
+
+// Requests x's lines for a tile's next table block (columns [c0, c0 + nc) of rows b0..b0+nb):
+// each row's slice is a few lines 4 * K bytes from the next, which the hardware prefetcher
+// does not follow, and x comes from memory when the tile's rows are many.
+template <typename scalar_t>
+inline void prefetch_x_tile(const scalar_t* x, int64_t K, int64_t b0, int64_t nb, int64_t c0,
+                            int64_t nc) {
+  const int64_t bytes = nc * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t b = 0; b < nb; ++b) {
+    const char* row = reinterpret_cast<const char*>(x + (b0 + b) * K + c0);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off);
+  }
+}
+
 // out[b, j] = s_j * raw[b, j] + bias_j (scales/bias may be null), out_t is scalar_t or acc_t.
 // Tiles of BT > 1 rows (one-row tiles: lut_forward_one_row, codebook_one_row.h).
 template <typename scalar_t, typename acc_t, typename out_t, int BT, int JT>
@@ -277,49 +332,57 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
   const int64_t num_blocks = std::max<int64_t>(1, ceil_div(d.groups, gpb));
   const int64_t blocks_per_chunk = ceil_div(num_blocks, group_chunks(num_tiles, num_blocks));
   const int64_t chunks = ceil_div(num_blocks, blocks_per_chunk);
-  // out[b0 + b, j] = raw * s_j + bias_j for j in [j0, j1), raw = acc[j - j0][b].
-  const auto write_out = [&](const acc_t* acc, int64_t b0, int64_t nb, int64_t j0, int64_t j1) {
-    for (int64_t j = j0; j < j1; ++j) {
-      const acc_t s = scales ? static_cast<acc_t>(scales[j]) : acc_t(1);
-      const acc_t bj = bias ? static_cast<acc_t>(bias[j]) : acc_t(0);
-      for (int64_t b = 0; b < nb; ++b)
-        out[(b0 + b) * N + j] = static_cast<out_t>(acc[(j - j0) * BT + b] * s + bj);
-    }
-  };
   // partial[tile][chunk][j][b] when K is split; otherwise each item writes out directly.
-  // The item that finishes a tile's last chunk sums that tile's partials in chunk order (same
-  // bits whoever does it), which saves a second parallel region and its barrier.
+  // A split tile's sums are added in chunk order (same bits whoever does it) by reduction
+  // items of kReduceRows output rows, queued after every chunk item: whoever claims one waits
+  // for that tile's chunks (claimed before it, so running) and then shares the additions with
+  // the other threads, instead of one thread adding every chunk of the tile alone.
+  constexpr int64_t kReduceRows = 512;
+  const int64_t reduce_parts = chunks > 1 ? ceil_div(N, kReduceRows) : 0;
   LineVector<acc_t> partial(chunks > 1 ? num_tiles * chunks * N * BT : 0);
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[num_tiles]());
   // Items are claimed dynamically: a thread that starts late (a busy machine, a sleeping pool
   // thread) finds them done instead of holding everyone up with its static share.
-  const int64_t items = num_tiles * chunks;
+  const int64_t chunk_items = num_tiles * chunks;
+  const int64_t items = chunk_items + num_tiles * reduce_parts;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    LineVector<acc_t> xT(gpb * D * BT), L(gpb * M * E * BT);
-    LineVector<acc_t> own(chunks > 1 ? 0 : N * BT);
+    LineVector<acc_t> xT, L, own;
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
+      if (w >= chunk_items) {
+        const int64_t tile = (w - chunk_items) / reduce_parts;
+        const int64_t part = (w - chunk_items) % reduce_parts;
+        while (done[tile].load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+        const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
+        const int64_t j0 = part * kReduceRows, j1 = std::min(N, j0 + kReduceRows);
+        write_out_rows<scalar_t, acc_t, out_t, BT>(
+            d, partial.data() + tile * chunks * N * BT + j0 * BT, chunks, N * BT, scales, bias,
+            b0, nb, j0, j1, out);
+        continue;
+      }
+      if (L.empty()) {
+        xT.resize(gpb * D * BT);
+        L.resize(gpb * M * E * BT);
+        if (chunks == 1) own.resize(N * BT);
+      }
       const int64_t tile = w / chunks, chunk = w % chunks;
       const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
       acc_t* acc = chunks > 1 ? partial.data() + w * N * BT : own.data();
-      std::fill(acc, acc + N * BT, acc_t(0));
       const int64_t g_begin = chunk * blocks_per_chunk * gpb;
       const int64_t g_end = std::min(d.groups, g_begin + blocks_per_chunk * gpb);
       for (int64_t g0 = g_begin; g0 < g_end; g0 += gpb) {
         const int64_t ng = std::min(gpb, g_end - g0);
         load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
+        if (g0 + ng < g_end) {
+          prefetch_x_tile(x, K, b0, nb, (g0 + ng) * D, std::min(gpb, g_end - g0 - ng) * D);
+        }
         build_table<acc_t, BT>(d, cb, xT.data(), ng, L.data());
-        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc);
+        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc, g0 != g_begin);
       }
       if (chunks == 1) {
-        write_out(acc, b0, nb, 0, N);
-      } else if (done[tile].fetch_add(1, std::memory_order_acq_rel) == chunks - 1) {
-        acc_t* first = partial.data() + tile * chunks * N * BT;
-        for (int64_t c = 1; c < chunks; ++c) {
-          const acc_t* p = first + c * N * BT;
-          for (int64_t i = 0; i < N * BT; ++i) first[i] += p[i];
-        }
-        write_out(first, b0, nb, 0, N);
+        write_out_rows<scalar_t, acc_t, out_t, BT>(d, acc, 1, 0, scales, bias, b0, nb, 0, N, out);
+      } else {
+        done[tile].fetch_add(1, std::memory_order_acq_rel);
       }
     }
   });
