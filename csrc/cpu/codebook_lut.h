@@ -67,6 +67,23 @@ struct LineAllocator {
 template <typename T>
 using LineVector = std::vector<T, LineAllocator<T>>;
 
+// A buffer kept per thread across calls up to kKeptBufferBytes (fresh ones cost page faults
+// and a zero fill every call); larger ones are allocated for the call.
+//   thread_local LineVector<float> kept;  KeptBuffer<float> buf;  float* p = buf.get(kept, n);
+inline constexpr size_t kKeptBufferBytes = size_t(8) << 20;
+template <typename T>
+struct KeptBuffer {
+  LineVector<T> fresh;
+  T* get(LineVector<T>& kept, int64_t n) {
+    if (size_t(n) * sizeof(T) > kKeptBufferBytes) {
+      fresh.resize(n);
+      return fresh.data();
+    }
+    if (kept.size() < size_t(n)) kept.resize(n);
+    return kept.data();
+  }
+};
+
 inline constexpr int64_t kPrefetchRows = 32;  // index rows fetched ahead by the gathers
 
 // Lanes of the vectors that hold a row of a BT-row table: 64 bytes in the AVX-512 copy where
@@ -339,7 +356,9 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
   // the other threads, instead of one thread adding every chunk of the tile alone.
   constexpr int64_t kReduceRows = 512;
   const int64_t reduce_parts = chunks > 1 ? ceil_div(N, kReduceRows) : 0;
-  LineVector<acc_t> partial(chunks > 1 ? num_tiles * chunks * N * BT : 0);
+  thread_local LineVector<acc_t> kept_partial;
+  KeptBuffer<acc_t> partial_buf;
+  acc_t* partial = chunks > 1 ? partial_buf.get(kept_partial, num_tiles * chunks * N * BT) : nullptr;
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[num_tiles]());
   // Items are claimed dynamically: a thread that starts late (a busy machine, a sleeping pool
   // thread) finds them done instead of holding everyone up with its static share.
@@ -347,7 +366,9 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
   const int64_t items = chunk_items + num_tiles * reduce_parts;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
-    LineVector<acc_t> xT, L, own;
+    thread_local LineVector<acc_t> kept_xT, kept_table, kept_acc;
+    KeptBuffer<acc_t> xT_buf, table_buf, acc_buf;
+    acc_t *xT = nullptr, *L = nullptr, *own = nullptr;
     for (int64_t w; (w = next.fetch_add(1, std::memory_order_relaxed)) < items;) {
       if (w >= chunk_items) {
         const int64_t tile = (w - chunk_items) / reduce_parts;
@@ -356,28 +377,28 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
         const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
         const int64_t j0 = part * kReduceRows, j1 = std::min(N, j0 + kReduceRows);
         write_out_rows<scalar_t, acc_t, out_t, BT>(
-            d, partial.data() + tile * chunks * N * BT + j0 * BT, chunks, N * BT, scales, bias,
+            d, partial + tile * chunks * N * BT + j0 * BT, chunks, N * BT, scales, bias,
             b0, nb, j0, j1, out);
         continue;
       }
-      if (L.empty()) {
-        xT.resize(gpb * D * BT);
-        L.resize(gpb * M * E * BT);
-        if (chunks == 1) own.resize(N * BT);
+      if (L == nullptr) {
+        xT = xT_buf.get(kept_xT, gpb * D * BT);
+        L = table_buf.get(kept_table, gpb * M * E * BT);
+        if (chunks == 1) own = acc_buf.get(kept_acc, N * BT);
       }
       const int64_t tile = w / chunks, chunk = w % chunks;
       const int64_t b0 = tile * BT, nb = std::min<int64_t>(BT, B - b0);
-      acc_t* acc = chunks > 1 ? partial.data() + w * N * BT : own.data();
+      acc_t* acc = chunks > 1 ? partial + w * N * BT : own;
       const int64_t g_begin = chunk * blocks_per_chunk * gpb;
       const int64_t g_end = std::min(d.groups, g_begin + blocks_per_chunk * gpb);
       for (int64_t g0 = g_begin; g0 < g_end; g0 += gpb) {
         const int64_t ng = std::min(gpb, g_end - g0);
-        load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT.data());
+        load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT);
         if (g0 + ng < g_end) {
           prefetch_x_tile(x, K, b0, nb, (g0 + ng) * D, std::min(gpb, g_end - g0 - ng) * D);
         }
-        build_table<acc_t, BT>(d, cb, xT.data(), ng, L.data());
-        gather_block<acc_t, BT, JT>(d, idx, L.data(), g0, ng, 0, N, acc, g0 != g_begin);
+        build_table<acc_t, BT>(d, cb, xT, ng, L);
+        gather_block<acc_t, BT, JT>(d, idx, L, g0, ng, 0, N, acc, g0 != g_begin);
       }
       if (chunks == 1) {
         write_out_rows<scalar_t, acc_t, out_t, BT>(d, acc, 1, 0, scales, bias, b0, nb, 0, N, out);

@@ -75,22 +75,6 @@ inline OneRowPlan one_row_plan(const Dims& d, int64_t min_items) {
   return p;
 }
 
-// Buffers kept per thread across calls up to this size (fresh ones cost page faults and a
-// zero fill every call); larger ones are allocated for the call.
-inline constexpr size_t kOneRowKeptBytes = size_t(8) << 20;
-template <typename T>
-struct OneRowBuffer {
-  LineVector<T> fresh;
-  T* get(LineVector<T>& kept, int64_t n) {
-    if (size_t(n) * sizeof(T) > kOneRowKeptBytes) {
-      fresh.resize(n);
-      return fresh.data();
-    }
-    if (kept.size() < size_t(n)) kept.resize(n);
-    return kept.data();
-  }
-};
-
 // L[s][c] (stride S floats) = x[g*D:(g+1)*D] . C[m, c] for the ns = ng*M steps of groups
 // [g0, g0 + ng), s = (g - g0)*M + m, entries c < E (the rest of a stride-256 row is never
 // read: codes are < E, check_index_range). NV vectors of entries stay in registers over t
@@ -201,7 +185,7 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
   const int64_t E = d.num_entries, D = d.entry_dim, row_stride = d.groups * M;
   if (B == 0 || N == 0) return;
   thread_local LineVector<acc_t> kept_cbT;
-  OneRowBuffer<acc_t> cbT_buf;
+  KeptBuffer<acc_t> cbT_buf;
   acc_t* cbT = cbT_buf.get(kept_cbT, M * D * E);
   for (int64_t m = 0; m < M; ++m)
     for (int64_t c = 0; c < E; ++c)
@@ -212,7 +196,7 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
   const int64_t items = B * p.chunks * p.parts;
   // partial[b][chunk][N] when K is split into several chunks; otherwise each item writes out.
   thread_local LineVector<acc_t> kept_partial;
-  OneRowBuffer<acc_t> partial_buf;
+  KeptBuffer<acc_t> partial_buf;
   acc_t* partial = p.chunks > 1 ? partial_buf.get(kept_partial, B * p.chunks * N) : nullptr;
   std::unique_ptr<std::atomic<int64_t>[]> done(new std::atomic<int64_t>[B * p.parts]());
   const auto write_out = [&](const acc_t* acc, int64_t b, int64_t j0, int64_t j1) {
@@ -225,7 +209,7 @@ void lut_forward_one_row(const Dims& d, const scalar_t* x, const uint8_t* idx, c
   std::atomic<int64_t> next{0};
   at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
     thread_local LineVector<acc_t> kept_table, kept_acc;
-    OneRowBuffer<acc_t> table_buf, acc_buf;
+    KeptBuffer<acc_t> table_buf, acc_buf;
     acc_t* L = table_buf.get(kept_table, p.gpi * M * S);
     acc_t* own = p.chunks > 1 ? nullptr : acc_buf.get(kept_acc, p.part_rows);
     int64_t built = -1;  // the (row, chunk) whose tables L holds
