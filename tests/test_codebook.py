@@ -107,6 +107,17 @@ def test_empty_batch_and_empty_output():
     assert rlx_torch.codebook_matmul(x, idx, cb, s, b).shape == (3, 0)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 20, 40])
+def test_no_input_features_gives_the_bias(rows):
+    # K = 0 (no groups): every sum is empty, whatever the kernels' buffers held from the call
+    # before (the same tile shape, with data, runs first).
+    rlx_torch.codebook_matmul(*make_inputs(rows, 9, 4))
+    x, idx, cb, s, b = make_inputs(rows, 9, 0)
+    assert x.shape == (rows, 0) and idx.shape == (9, 0)
+    torch.testing.assert_close(rlx_torch.codebook_matmul(x, idx, cb, s, b),
+                               b.expand(rows, 9), rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES[:4] + SHAPES[5:], ids=str)
 def test_backward_matches_reference(shape, dtype):

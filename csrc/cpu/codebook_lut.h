@@ -391,6 +391,7 @@ void lut_forward(const Dims& d, const scalar_t* x, const uint8_t* idx, const acc
       acc_t* acc = chunks > 1 ? partial + w * N * BT : own;
       const int64_t g_begin = chunk * blocks_per_chunk * gpb;
       const int64_t g_end = std::min(d.groups, g_begin + blocks_per_chunk * gpb);
+      if (g_begin >= g_end) std::fill(acc, acc + N * BT, acc_t(0));  // K = 0: empty sums
       for (int64_t g0 = g_begin; g0 < g_end; g0 += gpb) {
         const int64_t ng = std::min(gpb, g_end - g0);
         load_x_tile<scalar_t, acc_t, BT>(x, K, b0, nb, g0 * D, ng * D, xT);
