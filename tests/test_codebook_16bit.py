@@ -60,6 +60,7 @@ SHAPES = [
     (3, 33, 7, 16, 5000, 1),
     (5, 21, 9, 3, 1000, 1),  # D = 3: the any-D loops
     (16, 40, 6, 8, 65536, 2),
+    (13, 70, 7, 8, 65536, 1),  # a padded batch tile; 64-row items split into 3-row steps
     (4, 13, 5, 8, 700, 3),  # M = 3: the codebook count known only at run time
     (40, 17, 6, 8, 40000, 1),
     ((2, 3, 2), 15, 4, 8, 257, 1),
