@@ -15,8 +15,8 @@
 // positive, so any g (down to -30 per step and below) only underflows to 0.
 //
 // Shared-memory tiles are 16-bit, row-major with rows padded by 8 elements (conflict-free
-// fragment reads). An mma's A operand is read from a [m][k] tile (or a [k][m] one: frag_a_t),
-// its B operand from a [n][k] tile (B transposed): the right factors are stored transposed.
+// fragment reads by ldmatrix). An mma's A operand is read from a [m][k] tile (or a [k][m]
+// one: frag_a_t), its B operand from a [n][k] tile (or a [k][n] one: frag_b_t).
 // The intermediates (W', U', u, the chunk states) live in global buffers padded to KP and VP
 // columns (multiples of 64), so that their rows move as 16-byte vectors.
 //
@@ -76,36 +76,85 @@ __device__ __forceinline__ uint32_t word_at(const uint16_t* p) {
   return *reinterpret_cast<const uint32_t*>(p);
 }
 
-// A fragment of rows m0.., k0.. of a [m][k] tile; B fragment of n0.., k0.. of a [n][k] tile.
+// Fragments are read with ldmatrix (m8n8 16-bit matrices, 16 bytes a row): lane 8j + r gives
+// the address of row r of matrix j, and lane (g = lane / 4, t = lane % 4) receives elements
+// 2t, 2t+1 of row g of matrix j (with .trans: rows 2t, 2t+1 of column g), which is the mma's
+// fragment layout. One instruction reads what took 4 (untransposed) or 16 (transposed) 2-byte
+// loads. Every row address must be 16-byte aligned: tiles start 16-byte aligned, and their
+// leading dimensions and column offsets are multiples of 8 elements. Rows padded by 8
+// elements (a 16-byte shift per row, mod 128) keep the 8 rows of a matrix on distinct banks.
+template <int N, bool kTrans>
+__device__ __forceinline__ void ldsm(uint32_t (&r)[N], const uint16_t* row) {
+#ifndef RLX_CUDA_EMULATION
+  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (N == 4 && !kTrans) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+  } else if constexpr (N == 4) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a) : "memory");
+  } else if constexpr (!kTrans) {
+    static_assert(N == 2, "ldsm: 2 or 4 matrices");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(a) : "memory");
+  } else {
+    static_assert(N == 2, "ldsm: 2 or 4 matrices");
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];"
+                 : "=r"(r[0]), "=r"(r[1]) : "r"(a) : "memory");
+  }
+#else
+  emu::ldmatrix<N, kTrans>(r, row);
+#endif
+}
+
+// A fragment of rows m0.., k0.. of a [m][k] tile (matrices: rows m0 / m0 + 8, columns k0 /
+// k0 + 8); of A = X^T, X a [k][m] tile (transposed matrices of X: rows k0 / k0 + 8).
 __device__ __forceinline__ void frag_a(uint32_t (&a)[4], const uint16_t* t, int ld, int m0,
                                        int k0, int lane) {
-  const int g = lane / 4, c = 2 * (lane % 4);
-  a[0] = word_at(t + (m0 + g) * ld + k0 + c);
-  a[1] = word_at(t + (m0 + g + 8) * ld + k0 + c);
-  a[2] = word_at(t + (m0 + g) * ld + k0 + c + 8);
-  a[3] = word_at(t + (m0 + g + 8) * ld + k0 + c + 8);
+  const int j = lane / 8, r = lane % 8;
+  ldsm<4, false>(a, t + (m0 + r + 8 * (j % 2)) * ld + k0 + 8 * (j / 2));
 }
-// A fragment of rows m0.., k0.. of A = X^T, X a [k][m] tile.
 __device__ __forceinline__ void frag_a_t(uint32_t (&a)[4], const uint16_t* t, int ld, int m0,
                                          int k0, int lane) {
-  const int g = m0 + lane / 4, c = k0 + 2 * (lane % 4);
-  a[0] = pack2(t[c * ld + g], t[(c + 1) * ld + g]);
-  a[1] = pack2(t[c * ld + g + 8], t[(c + 1) * ld + g + 8]);
-  a[2] = pack2(t[(c + 8) * ld + g], t[(c + 9) * ld + g]);
-  a[3] = pack2(t[(c + 8) * ld + g + 8], t[(c + 9) * ld + g + 8]);
+  const int j = lane / 8, r = lane % 8;
+  ldsm<4, true>(a, t + (k0 + r + 8 * (j / 2)) * ld + m0 + 8 * (j % 2));
 }
+// B fragment of n0.., k0.. of a [n][k] tile (B transposed); of B = X, X a [k][n] tile.
 __device__ __forceinline__ void frag_b(uint32_t (&b)[2], const uint16_t* t, int ld, int n0,
                                        int k0, int lane) {
-  const int g = lane / 4, c = 2 * (lane % 4);
-  b[0] = word_at(t + (n0 + g) * ld + k0 + c);
-  b[1] = word_at(t + (n0 + g) * ld + k0 + c + 8);
+  const int j = lane % 16 / 8, r = lane % 8;  // (lanes 16.. give no address)
+  ldsm<2, false>(b, t + (n0 + r) * ld + k0 + 8 * j);
 }
-// B fragment of n0.., k0.. of B = X, X a [k][n] tile (the right factor not transposed).
 __device__ __forceinline__ void frag_b_t(uint32_t (&b)[2], const uint16_t* t, int ld, int n0,
                                          int k0, int lane) {
-  const int g = n0 + lane / 4, c = k0 + 2 * (lane % 4);
-  b[0] = pack2(t[c * ld + g], t[(c + 1) * ld + g]);
-  b[1] = pack2(t[(c + 8) * ld + g], t[(c + 9) * ld + g]);
+  const int j = lane % 16 / 8, r = lane % 8;
+  ldsm<2, true>(b, t + (k0 + r + 8 * j) * ld + n0);
+}
+// The B fragments of n0.. (b[0], b[1]) and n0 + 8.. (b[2], b[3]) at once.
+__device__ __forceinline__ void frag_b2(uint32_t (&b)[4], const uint16_t* t, int ld, int n0,
+                                        int k0, int lane) {
+  const int j = lane / 8, r = lane % 8;
+  ldsm<4, false>(b, t + (n0 + r + 8 * (j / 2)) * ld + k0 + 8 * (j % 2));
+}
+__device__ __forceinline__ void frag_b2_t(uint32_t (&b)[4], const uint16_t* t, int ld, int n0,
+                                          int k0, int lane) {
+  const int j = lane / 8, r = lane % 8;
+  ldsm<4, true>(b, t + (k0 + r + 8 * (j % 2)) * ld + n0 + 8 * (j / 2));
+}
+// acc[0] += A B[n0..], acc[1] += A B[n0 + 8..] (B as in frag_b2 / frag_b2_t)
+template <Bits16 kind, bool kBT>
+__device__ __forceinline__ void mma_pair(float (&acc0)[4], float (&acc1)[4],
+                                         const uint32_t (&a)[4], const uint16_t* b, int ldb,
+                                         int n0, int k0, int lane) {
+  uint32_t bf[4];
+  if constexpr (kBT) {
+    frag_b2_t(bf, b, ldb, n0, k0, lane);
+  } else {
+    frag_b2(bf, b, ldb, n0, k0, lane);
+  }
+  const uint32_t b0[2] = {bf[0], bf[1]}, b1[2] = {bf[2], bf[3]};
+  mma_16816<kind>(acc0, a, b0);
+  mma_16816<kind>(acc1, a, b1);
 }
 
 // One warp's acc (16 rows from m0, 8 NT columns from n0) += A B over k in [k_begin, k_end)
@@ -124,14 +173,17 @@ __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const uint16_t* a,
       frag_a(af, a, lda, m0, k0, lane);
     }
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
+    for (int nt = 0; nt + 1 < NT; nt += 2) {
+      mma_pair<kind, kBT>(acc[nt], acc[nt + 1], af, b, ldb, n0 + 8 * nt, k0, lane);
+    }
+    if constexpr (NT % 2 == 1) {
       uint32_t bf[2];
       if constexpr (kBT) {
-        frag_b_t(bf, b, ldb, n0 + 8 * nt, k0, lane);
+        frag_b_t(bf, b, ldb, n0 + 8 * (NT - 1), k0, lane);
       } else {
-        frag_b(bf, b, ldb, n0 + 8 * nt, k0, lane);
+        frag_b(bf, b, ldb, n0 + 8 * (NT - 1), k0, lane);
       }
-      mma_16816<kind>(acc[nt], af, bf);
+      mma_16816<kind>(acc[NT - 1], af, bf);
     }
   }
 }
@@ -267,11 +319,11 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   float* sG = dynamic_smem<float>();
   float* sBeta = sG + kChunk;
   float* sM = sBeta + kChunk;  // [64][65] M (float32)
-  const int ldK = KP + kPad, ldC = kChunk + kPad;
+  const int ldK = KP + kPad, ldV = VP + kPad, ldC = kChunk + kPad;
   uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8]
-  uint16_t* sKgT = sK + kChunk * ldK;  // [KP][72] (K o e^G)^T
-  uint16_t* sVT = sKgT + KP * ldC;     // [VP][72] V^T
-  uint16_t* sT = sVT + VP * ldC;       // [64][72] T'
+  uint16_t* sKg = sK + kChunk * ldK;   // [64][KP+8] K o e^G
+  uint16_t* sV = sKg + kChunk * ldK;   // [64][VP+8] V
+  uint16_t* sT = sV + kChunk * ldV;    // [64][72] T'
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = i < len ? A.g[(e.t0 + i) * d.HV + hv] : 0.f;
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
@@ -286,13 +338,25 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
   load_tile_async<kind>(sK, ldK, k, qk_stride, kChunk, KP, len, d.K);
-  load_tile<kind, true>(sKgT, ldC, k, qk_stride, kChunk, KP, len, d.K,
-                        [sG](int r) { return exp(sG[r]); });
   if (A.U != nullptr) {  // (the backward's prep needs no U')
-    load_tile<kind, true>(sVT, ldC, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
+    load_tile_async<kind>(sV, ldV, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
                           VP, len, d.V);
   }
   tiles_landed();
+  // K o e^G from the landed K, 8 elements at a time (rows, not the transposed copy W' = T' (K
+  // o e^G) once took: ldmatrix.trans reads B = K o e^G from rows)
+  for (int idx = threadIdx.x; idx < kChunk * (KP / 8); idx += blockDim.x) {
+    const int r = idx / (KP / 8), c = 8 * (idx % (KP / 8));
+    const float f = exp(sG[r]);
+    const uint32_t* from = reinterpret_cast<const uint32_t*>(sK + r * ldK + c);
+    uint32_t* to = reinterpret_cast<uint32_t*>(sKg + r * ldK + c);
+#pragma unroll
+    for (int e2 = 0; e2 < 4; ++e2) {
+      const uint32_t x = from[e2];
+      to[e2] = pack2(float_to_bits<kind>(bits_to_float<kind>(uint16_t(x)) * f),
+                     float_to_bits<kind>(bits_to_float<kind>(uint16_t(x >> 16)) * f));
+    }
+  }
   // M = strictly-lower(K K^T o e^(G_i - G_j)) diag(beta); warp w: rows 16w .. 16w + 15
   {
     float acc[8][4] = {};
@@ -300,11 +364,9 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
       uint32_t a[4];
       frag_a(a, sK, ldK, 16 * w, k0, lane);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-        if (nt > 2 * w + 1) continue;  // above the diagonal
-        uint32_t b[2];
-        frag_b(b, sK, ldK, 8 * nt, k0, lane);
-        mma_16816<kind>(acc[nt], a, b);
+      for (int nt = 0; nt < 8; nt += 2) {
+        if (nt > 2 * w) continue;  // above the diagonal
+        mma_pair<kind, false>(acc[nt], acc[nt + 1], a, sK, ldK, 8 * nt, k0, lane);
       }
     }
 #pragma unroll
@@ -342,21 +404,10 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   }
   __syncthreads();
   // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time, pads included
-  auto product = [&](const uint16_t* rhsT, int cols, uint16_t* dst, int64_t stride) {
+  auto product = [&](const uint16_t* rhs, int ld, int cols, uint16_t* dst, int64_t stride) {
     for (int n0 = 0; n0 < cols; n0 += 64) {
-      float acc[8][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < kChunk; k0 += 16) {
-        if (k0 > 16 * w) continue;  // T' is lower triangular
-        uint32_t a[4];
-        frag_a(a, sT, ldC, 16 * w, k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          uint32_t b[2];
-          frag_b(b, rhsT, ldC, n0 + 8 * nt, k0, lane);
-          mma_16816<kind>(acc[nt], a, b);
-        }
-      }
+      float acc[8][4] = {};  // (T' is lower triangular: k up to the warp's rows)
+      warp_mma<kind, false, true, 8>(acc, sT, ldC, 16 * w, rhs, ld, n0, 0, 16 * w + 16, lane);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt) {
 #pragma unroll
@@ -370,14 +421,13 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
       }
     }
   };
-  product(sKgT, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
-  if (A.U != nullptr) product(sVT, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
+  product(sKg, ldK, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
+  if (A.U != nullptr) product(sV, ldV, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
 }
 
 __host__ __device__ inline size_t prep_smem(int KP, int VP) {
   return sizeof(float) * (2 * kChunk + kChunk * (kChunk + 1)) +
-         sizeof(uint16_t) * (size_t(kChunk) * (KP + kPad) + size_t(KP + VP + kChunk) *
-                                                                 (kChunk + kPad));
+         sizeof(uint16_t) * size_t(kChunk) * (2 * (KP + kPad) + (VP + kPad) + (kChunk + kPad));
 }
 
 // ---- output: o of one chunk, value head and 64-column tile ---------------------------------
@@ -394,7 +444,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   uint16_t* sQ = reinterpret_cast<uint16_t*>(sG + kChunk);  // [64][KP+8]
   uint16_t* sK = sQ + kChunk * ldK;                          // [64][KP+8]
   uint16_t* sST = sK + kChunk * ldK;                         // [64][KP+8] S0^T
-  uint16_t* sUT = sST + kOutCols * ldK;                      // [64][72] u^T
+  uint16_t* sU = sST + kOutCols * ldK;                       // [64][72] u
   const int64_t qk_stride = int64_t(d.H) * d.K, pv_stride = int64_t(d.HV) * VP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
@@ -405,7 +455,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
                         KP, len, d.K);
   load_tile_async<kind>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
                         kOutCols, KP, kOutCols, KP);
-  load_tile<kind, true>(sUT, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
+  load_tile_async<kind>(sU, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
                         kChunk, kOutCols, len, kOutCols);
   tiles_landed();
   const int g4 = lane / 4, t2 = 2 * (lane % 4);
@@ -415,11 +465,9 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
     uint32_t a[4];
     frag_a(a, sQ, ldK, 16 * w, k0, lane);
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      if (nt > 2 * w + 1) continue;
-      uint32_t b[2];
-      frag_b(b, sK, ldK, 8 * nt, k0, lane);
-      mma_16816<kind>(P[nt], a, b);
+    for (int nt = 0; nt < 8; nt += 2) {
+      if (nt > 2 * w) continue;
+      mma_pair<kind, false>(P[nt], P[nt + 1], a, sK, ldK, 8 * nt, k0, lane);
     }
   }
 #pragma unroll
@@ -439,22 +487,11 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
     a[2] = pack2(float_to_bits<kind>(P[2 * kk + 1][0]), float_to_bits<kind>(P[2 * kk + 1][1]));
     a[3] = pack2(float_to_bits<kind>(P[2 * kk + 1][2]), float_to_bits<kind>(P[2 * kk + 1][3]));
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      uint32_t b[2];
-      frag_b(b, sUT, ldC, 8 * nt, 16 * kk, lane);
-      mma_16816<kind>(O[nt], a, b);
+    for (int nt = 0; nt < 8; nt += 2) {
+      mma_pair<kind, true>(O[nt], O[nt + 1], a, sU, ldC, 8 * nt, 16 * kk, lane);
     }
   }
-  for (int k0 = 0; k0 < KP; k0 += 16) {  // Y = Q S0
-    uint32_t a[4];
-    frag_a(a, sQ, ldK, 16 * w, k0, lane);
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt) {
-      uint32_t b[2];
-      frag_b(b, sST, ldK, 8 * nt, k0, lane);
-      mma_16816<kind>(Y[nt], a, b);
-    }
-  }
+  warp_mma<kind, false, false, 8>(Y, sQ, ldK, 16 * w, sST, ldK, 0, 0, KP, lane);  // Y = Q S0
   const int64_t v_stride = int64_t(d.HV) * d.V;
 #pragma unroll
   for (int r2 = 0; r2 < 2; ++r2) {
@@ -474,7 +511,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
 
 __host__ __device__ inline size_t output_smem(int KP) {
   return sizeof(float) * kChunk + sizeof(uint16_t) * (size_t(2 * kChunk + kOutCols) * (KP + kPad) +
-                                                      size_t(kOutCols) * (kChunk + kPad));
+                                                      size_t(kChunk) * (kOutCols + kPad));
 }
 
 }  // namespace rlx::gdn::cuda

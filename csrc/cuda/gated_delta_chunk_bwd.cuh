@@ -72,17 +72,23 @@ __global__ void __launch_bounds__(kChunkThreads) from_forward_kernel(const Chunk
   const Dims<float>& d = A.d;
   const int KP = A.KP, VP = A.VP, hv = int(blockIdx.x % d.HV);
   const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
-  const int len = int(e.len), ld = kChunk + kPad;
-  uint16_t* sT = dynamic_smem<uint16_t>();  // [64 v][72]: a 64 x 64 tile of S0^T
+  // The tile's rows hold 66 elements (33 words, odd): the 32 lanes of a warp store the words
+  // (k, k + 1) of 32 consecutive columns v to 32 distinct banks (with 72, four to a bank).
+  constexpr int ld = kChunk + 2;
+  const int len = int(e.len);
+  uint16_t* sT = dynamic_smem<uint16_t>();  // [64 v][66]: a 64 x 64 tile of S0^T
   const float* S = B.ckpt + (e.slot * d.HV + hv) * int64_t(d.K) * d.V;
   uint16_t* hT = A.hT + (e.slot * d.HV + hv) * int64_t(VP) * KP;
   for (int k0 = 0; k0 < KP; k0 += 64) {
     for (int v0 = 0; v0 < VP; v0 += 64) {
       __syncthreads();  // the previous tile's readers are done
-      for (int idx = threadIdx.x; idx < 64 * 64; idx += blockDim.x) {
-        const int r = idx / 64, c = idx % 64, k = k0 + r, v = v0 + c;  // (reads along v)
-        sT[c * ld + r] = k < d.K && v < d.V ? float_to_bits<kind>(S[int64_t(k) * d.V + v])
-                                            : uint16_t(0);
+      for (int idx = threadIdx.x; idx < 32 * 64; idx += blockDim.x) {  // rows k, k + 1
+        const int r = 2 * (idx / 64), c = idx % 64, k = k0 + r, v = v0 + c;  // (reads along v)
+        const bool ok = v < d.V;
+        const float* at = S + int64_t(k) * d.V + v;
+        const uint16_t lo = ok && k < d.K ? float_to_bits<kind>(at[0]) : uint16_t(0);
+        const uint16_t hi = ok && k + 1 < d.K ? float_to_bits<kind>(at[d.V]) : uint16_t(0);
+        *reinterpret_cast<uint32_t*>(sT + c * ld + r) = pack2(lo, hi);
       }
       __syncthreads();
       for (int idx = threadIdx.x; idx < 64 * 8; idx += blockDim.x) {  // rows of S0^T, 16 bytes
@@ -103,7 +109,7 @@ __global__ void __launch_bounds__(kChunkThreads) from_forward_kernel(const Chunk
 }
 
 __host__ __device__ inline size_t from_forward_smem() {
-  return sizeof(uint16_t) * size_t(kChunk) * (kChunk + kPad);
+  return sizeof(uint16_t) * size_t(kChunk) * (kChunk + 2);
 }
 
 // ---- dv_local: scale P^T dO of one chunk, value head and 64-column tile ---------------------

@@ -34,8 +34,8 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
   uint16_t* sDo = reinterpret_cast<uint16_t*>(sRed + kChunkThreads);  // [64][72] (then Q)
   uint16_t* sDvw = sDo + kChunk * ld;                                  // [64][72] (then K)
   uint16_t* sU = sDvw + kChunk * ld;                                   // [64][72]
-  uint16_t* sS0 = sU + kChunk * ld;                                    // [64 k][72] S0 (k, v)
-  uint16_t* sDs = sS0 + kChunk * ld;                                   // [64 k][72] dS (k, v)
+  uint16_t* sS0T = sU + kChunk * ld;                                   // [64 v][72] S0^T (v, k)
+  uint16_t* sDs = sS0T + kChunk * ld;                                  // [64 k][72] dS (k, v)
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
@@ -54,15 +54,16 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
                           kChunk, kBwdTile, len, kBwdTile);
     load_tile_async<kind>(sDs, ld, dS + int64_t(k0) * VP + v0, int64_t(VP), kBwdTile, kBwdTile,
                           kBwdTile, kBwdTile);
-    load_tile<kind, true>(sS0, ld, S0 + int64_t(v0) * KP + k0, int64_t(KP), kBwdTile, kBwdTile,
+    load_tile_async<kind>(sS0T, ld, S0 + int64_t(v0) * KP + k0, int64_t(KP), kBwdTile, kBwdTile,
                           kBwdTile, kBwdTile);
     tiles_landed();
-    warp_mma<kind, false, false, 8>(dQi, sDo, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
-    warp_mma<kind, false, false, 8>(dWp, sDvw, ld, 16 * w, sS0, ld, 0, 0, kBwdTile, lane);
+    // (B = S0^T [v][k] rows, read transposed by ldmatrix.trans)
+    warp_mma<kind, false, true, 8>(dQi, sDo, ld, 16 * w, sS0T, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, true, 8>(dWp, sDvw, ld, 16 * w, sS0T, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(dHU, sU, ld, 16 * w, sDs, ld, 0, 0, kBwdTile, lane);
     for (int idx = threadIdx.x; idx < kBwdTile * kBwdTile; idx += blockDim.x) {
-      const int at = (idx / kBwdTile) * ld + idx % kBwdTile;
-      hs += bf_at<kind>(sDs, at) * bf_at<kind>(sS0, at);
+      const int kk = idx / kBwdTile, vv = idx % kBwdTile;
+      hs += bf_at<kind>(sDs, kk * ld + vv) * bf_at<kind>(sS0T, vv * ld + kk);
     }
   }
   __syncthreads();
@@ -120,33 +121,56 @@ __host__ __device__ inline size_t dqk_smem() {
 }
 
 // ---- wy: the C x C algebra of one chunk and value head, then dq, dk, dv, dg, dbeta -----------
+// Column sums over one warp's 16 rows of per-lane partials v[nt][c] (column 8 nt + 2 (lane % 4)
+// + c): a butterfly over the lanes that share lane % 4, lanes 0..3 store the sums.
+__device__ __forceinline__ void warp_col_sums(const float (&v)[8][2], float* dst, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float x = v[nt][c];
+      x += __shfl_xor_sync(kFull, x, 4);
+      x += __shfl_xor_sync(kFull, x, 8);
+      x += __shfl_xor_sync(kFull, x, 16);
+      if (lane < 4) dst[8 * nt + 2 * lane + c] = x;
+    }
+}
+
+// The 64 x 64 products are taken two at a time (dO u^T with Q K^T, then dvw V^T + dW' (K o
+// e^G)^T with K K^T, then the dq and the dk products apart), so that at most two sets of
+// accumulators are live: three blocks fit on an SM (registers and shared memory), where four
+// live sets held it to two. The terms of dL/dG and dbeta that are row and column sums over the
+// C x C matrices (dP o (Q K^T) + dL o L, dM o L) are summed from the accumulators as they
+// come: per lane, then across the lanes of a row (rows) or through shared memory per warp
+// (columns), in a fixed order.
 template <Bits16 kind>
-__global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B) {
+__global__ void __launch_bounds__(kChunkThreads, 3) wy_kernel(const ChunkBwdArgs B) {
   const ChunkArgs& A = B.f;
   const Dims<float>& d = A.d;
   const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
   const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
-  const int len = int(e.len), ld = kChunk + kPad, ldF = kChunk + 1;
+  const int len = int(e.len), ld = kChunk + kPad;
   float* sG = dynamic_smem<float>();  // [64]
   float* sBeta = sG + kChunk;         // [64]
-  float* sRow = sBeta + kChunk;       // [64] e^G_i k_i . (T'^T dW')_i, then dL/dG_i
-  float* F1 = sRow + kChunk;          // [64][65] dO u^T, then dM o L
-  float* F2 = F1 + kChunk * ldF;      // [64][65] the terms of dL/dG: dP o (Q K^T) + dL o L
-  uint16_t* sT = reinterpret_cast<uint16_t*>(F2 + kChunk * ldF);  // [64][72] T'
+  float* sRow = sBeta + kChunk;       // [64] e^G_i k_i . (T'^T dW')_i
+  float* sRowF = sRow + kChunk;       // [64] row sums of F = dP o (Q K^T) + dL o L
+  float* sColF = sRowF + kChunk;      // [4][64] column sums of F over warp w's rows
+  float* sColM = sColF + kChunkWarps * kChunk;  // [4][64] the same of dM o L
+  uint16_t* sT = reinterpret_cast<uint16_t*>(sColM + kChunkWarps * kChunk);  // [64][72] T'
   uint16_t* sDP = sT + kChunk * ld;   // [64][72] dP
-  uint16_t* sDT = sDP + kChunk * ld;  // [64][72] dT', then T'^T dT'
-  uint16_t* sDA = sDT + kChunk * ld;  // [64][72] dA
-  uint16_t* s0 = sDA + kChunk * ld;   // [4][64][72] streamed tiles
+  uint16_t* sDA = sDP + kChunk * ld;  // [64][72] dT', then dA
+  uint16_t* s0 = sDA + kChunk * ld;   // [3][64][72] streamed tiles (s0: T'^T dT' between)
   uint16_t* s1 = s0 + kChunk * ld;
   uint16_t* s2 = s1 + kChunk * ld;
-  uint16_t* s3 = s2 + kChunk * ld;
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
   const uint16_t* q = A.q + e.t0 * qk_stride + int64_t(h) * d.K;
   const uint16_t* k = A.k + e.t0 * qk_stride + int64_t(h) * d.K;
   const uint16_t* dW = B.dW + e.t0 * pk_stride + int64_t(hv) * KP;
   const uint16_t* dvw = B.dvw + e.t0 * pv_stride + int64_t(hv) * VP;
+  const uint16_t* dout = B.dout + e.t0 * v_stride + int64_t(hv) * d.V;
+  const uint16_t* v = A.v + e.t0 * v_stride + int64_t(hv) * d.V;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
@@ -154,74 +178,113 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
   load_tile_async<kind>(sT, ld, A.Tinv + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
                         kChunk, kChunk, len, kChunk);  // (landed with the first tiles below)
   const int m0 = 16 * w;
-  // dO u^T and dvw V^T over V; then Q K^T, K K^T and dW' (K o e^G)^T over K
-  float dP[8][4] = {}, dT[8][4] = {}, QK[8][4] = {}, KK[8][4] = {};
+  float fRow[2] = {0.f, 0.f}, fCol[8][2] = {};  // this lane's parts of F's row, column sums
+  // dP = scale [j <= i] (dO u^T) o e^(G_i - G_j), over V
+  float dP[8][4] = {};
   for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
     const int v_ok = max(0, min(kBwdTile, d.V - v0));
     __syncthreads();
-    load_tile_async<kind>(s0, ld, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                          kChunk, kBwdTile, len, v_ok);
+    load_tile_async<kind>(s0, ld, dout + v0, v_stride, kChunk, kBwdTile, len, v_ok);
     load_tile_async<kind>(s1, ld, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
                           kChunk, kBwdTile, len, kBwdTile);
-    load_tile_async<kind>(s2, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
-    load_tile_async<kind>(s3, ld, A.v + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
-                          kChunk, kBwdTile, len, v_ok);
     tiles_landed();
     warp_mma<kind, false, false, 8>(dP, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
-    warp_mma<kind, false, false, 8>(dT, s2, ld, m0, s3, ld, 0, 0, kBwdTile, lane);
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
+      const float dp = j <= i ? d.scale * dP[nt][r] * exp(sG[i] - sG[j]) : 0.f;
+      dP[nt][r] = dp;
+      sDP[i * ld + j] = float_to_bits<kind>(dp);
+    }
+  // Q K^T over K: F's first term dP o (Q K^T)
+  {
+    float QK[8][4] = {};
+    for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
+      const int k_ok = max(0, min(kBwdTile, d.K - k0));
+      __syncthreads();
+      load_tile_async<kind>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+      load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+      tiles_landed();
+      warp_mma<kind, false, false, 8>(QK, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const float f = dP[nt][r] * QK[nt][r];
+        fRow[r / 2] += f;
+        fCol[nt][r % 2] += f;
+      }
+  }
+  // dT' = dvw V^T (over V) + dW' (K o e^G)^T (over K), and K K^T
+  float dT[8][4] = {}, KK[8][4] = {};
+  for (int v0 = 0; v0 < VP; v0 += kBwdTile) {
+    const int v_ok = max(0, min(kBwdTile, d.V - v0));
+    __syncthreads();
+    load_tile_async<kind>(s0, ld, dvw + v0, pv_stride, kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(s1, ld, v + v0, v_stride, kChunk, kBwdTile, len, v_ok);
+    tiles_landed();
+    warp_mma<kind, false, false, 8>(dT, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
   }
   for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
     const int k_ok = max(0, min(kBwdTile, d.K - k0));
     __syncthreads();
-    load_tile_async<kind>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile_async<kind>(s3, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
+    load_tile_async<kind>(s0, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
+    load_tile_async<kind>(s1, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
     tiles_landed();
     for (int idx = threadIdx.x; idx < kChunk * kBwdTile; idx += blockDim.x) {  // K o e^G
       const int r = idx / kBwdTile, c = idx % kBwdTile;
-      s2[r * ld + c] = float_to_bits<kind>(bits_to_float<kind>(s1[r * ld + c]) * exp(sG[r]));
+      s2[r * ld + c] = float_to_bits<kind>(bits_to_float<kind>(s0[r * ld + c]) * exp(sG[r]));
     }
     __syncthreads();
-    warp_mma<kind, false, false, 8>(QK, s0, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
-    warp_mma<kind, false, false, 8>(KK, s1, ld, m0, s1, ld, 0, 0, kBwdTile, lane);
-    warp_mma<kind, false, false, 8>(dT, s3, ld, m0, s2, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(KK, s0, ld, m0, s0, ld, 0, 0, kBwdTile, lane);
+    warp_mma<kind, false, false, 8>(dT, s1, ld, m0, s2, ld, 0, 0, kBwdTile, lane);
   }
-  // dP (masked, decayed, scaled), its dL/dG terms, L (into KK), dT' to 16 bits
+  // L (into KK), dT' to 16 bits (sDA: no warp reads it before the barrier below)
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
-      const float gam = j <= i ? exp(sG[i] - sG[j]) : 0.f;
-      const float dp = d.scale * dP[nt][r] * gam;
-      sDP[i * ld + j] = float_to_bits<kind>(dp);
-      F2[i * ldF + j] = dp * QK[nt][r];
-      KK[nt][r] = j < i ? KK[nt][r] * gam : 0.f;
-      sDT[i * ld + j] = float_to_bits<kind>(dT[nt][r]);
+      KK[nt][r] = j < i ? KK[nt][r] * exp(sG[i] - sG[j]) : 0.f;
+      sDA[i * ld + j] = float_to_bits<kind>(dT[nt][r]);
     }
-  __syncthreads();
+  __syncthreads();  // dT' complete; every warp is done with the streamed tiles
   float X[8][4] = {};  // T'^T dT'
-  warp_mma<kind, true, true, 8>(X, sT, ld, m0, sDT, ld, 0, 0, kChunk, lane);
-  __syncthreads();  // every warp has read dT'
+  warp_mma<kind, true, true, 8>(X, sT, ld, m0, sDA, ld, 0, 0, kChunk, lane);
 #pragma unroll
   for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      sDT[acc_row(m0, r, lane) * ld + acc_col(nt, r, lane)] = float_to_bits<kind>(X[nt][r]);
+      s0[acc_row(m0, r, lane) * ld + acc_col(nt, r, lane)] = float_to_bits<kind>(X[nt][r]);
       X[nt][r] = 0.f;
     }
-  __syncthreads();
-  warp_mma<kind, false, false, 8>(X, sDT, ld, m0, sT, ld, 0, 0, kChunk, lane);  // (T'^T dT') T'^T
+  __syncthreads();  // T'^T dT' complete; every warp has read dT'
+  warp_mma<kind, false, false, 8>(X, s0, ld, m0, sT, ld, 0, 0, kChunk, lane);  // (T'^T dT') T'^T
+  {
+    float mCol[8][2] = {};  // this lane's part of dM o L's column sums
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
-      const float dm = j < i ? -X[nt][r] : 0.f, dl = dm * sBeta[j], L = KK[nt][r];
-      F1[i * ldF + j] = dm * L;
-      F2[i * ldF + j] += dl * L;
-      sDA[i * ld + j] = float_to_bits<kind>(j < i ? dl * exp(sG[i] - sG[j]) : 0.f);
-    }
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(m0, r, lane), j = acc_col(nt, r, lane);
+        const float dm = j < i ? -X[nt][r] : 0.f, dl = dm * sBeta[j], L = KK[nt][r];
+        mCol[nt][r % 2] += dm * L;
+        fRow[r / 2] += dl * L;
+        fCol[nt][r % 2] += dl * L;
+        sDA[i * ld + j] = float_to_bits<kind>(j < i ? dl * exp(sG[i] - sG[j]) : 0.f);
+      }
+    warp_col_sums(mCol, sColM + w * kChunk, lane);
+  }
+  warp_col_sums(fCol, sColF + w * kChunk, lane);
+#pragma unroll
+  for (int r2 = 0; r2 < 2; ++r2) {
+    const float s = quad_sum(fRow[r2]);
+    if (lane % 4 == 0) sRowF[acc_row(m0, 2 * r2, lane)] = s;
+  }
   // dq += dP K;  dk += dP^T Q + (dA + dA^T) K + e^G o (T'^T dW')
   float rk[2] = {0.f, 0.f};
   for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
@@ -231,8 +294,18 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
     load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
     load_tile_async<kind>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
     tiles_landed();
-    float aq[8][4] = {}, ak[8][4] = {}, akg[8][4] = {};
-    warp_mma<kind, false, true, 8>(aq, sDP, ld, m0, s1, ld, 0, 0, kChunk, lane);
+    {
+      float aq[8][4] = {};
+      warp_mma<kind, false, true, 8>(aq, sDP, ld, m0, s1, ld, 0, 0, kChunk, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = acc_row(m0, r, lane), c = k0 + acc_col(nt, r, lane);
+          if (i < len && c < d.K) B.dq[((e.t0 + i) * d.HV + hv) * d.K + c] += aq[nt][r];
+        }
+    }
+    float ak[8][4] = {}, akg[8][4] = {};
     warp_mma<kind, true, true, 8>(ak, sDP, ld, m0, s0, ld, 0, 0, kChunk, lane);
     warp_mma<kind, false, true, 8>(ak, sDA, ld, m0, s1, ld, 0, 0, kChunk, lane);
     warp_mma<kind, true, true, 8>(ak, sDA, ld, m0, s1, ld, 0, 0, kChunk, lane);
@@ -245,9 +318,7 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
         const float eg = exp(sG[i]);
         rk[r / 2] += eg * bf_at<kind>(s1, i * ld + cl) * akg[nt][r];
         if (i < len && c < d.K) {
-          const int64_t at = ((e.t0 + i) * d.HV + hv) * d.K + c;
-          B.dq[at] += aq[nt][r];
-          B.dk[at] += ak[nt][r] + eg * akg[nt][r];
+          B.dk[((e.t0 + i) * d.HV + hv) * d.K + c] += ak[nt][r] + eg * akg[nt][r];
         }
       }
   }
@@ -275,15 +346,15 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
   // dL/dG_i, dbeta_i (the tiles' parts in order), then dg = its reverse cumulative sum
   const int i = threadIdx.x;
   if (i < len) {
-    float dG = sRow[i], db = 0.f;
+    float dG = sRow[i] + sRowF[i], db = 0.f;
     const int nkt = KP / kBwdTile;
     for (int t = 0; t < nkt; ++t) dG += B.dg_part[(int64_t(t) * d.tokens + e.t0 + i) * d.HV + hv];
     for (int t = 0; t < B.dbeta_tiles; ++t) {
       db += B.dbeta_part[(int64_t(t) * d.tokens + e.t0 + i) * d.HV + hv];
     }
-    for (int j = 0; j < kChunk; ++j) {
-      dG += F2[i * ldF + j] - F2[j * ldF + i];
-      db += F1[j * ldF + i];
+    for (int x = 0; x < kChunkWarps; ++x) {
+      dG -= sColF[x * kChunk + i];
+      db += sColM[x * kChunk + i];
     }
     B.dbeta[(e.t0 + i) * d.HV + hv] = db;
     sRow[i] = dG;  // (its own entry: read above by this thread alone)
@@ -296,8 +367,8 @@ __global__ void __launch_bounds__(kChunkThreads) wy_kernel(const ChunkBwdArgs B)
 }
 
 __host__ __device__ inline size_t wy_smem() {
-  return sizeof(float) * (3 * kChunk + 2 * kChunk * (kChunk + 1)) +
-         sizeof(uint16_t) * 8 * size_t(kChunk) * (kChunk + kPad);
+  return sizeof(float) * (4 * kChunk + 2 * kChunkWarps * kChunk) +
+         sizeof(uint16_t) * 6 * size_t(kChunk) * (kChunk + kPad);
 }
 
 }  // namespace rlx::gdn::cuda

@@ -154,17 +154,7 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
       const uint16_t* cW = sW + buf * kChunk * ldK;
       const uint16_t* cU = sU + buf * kChunk * ldU;
       float acc[NT][4] = {};
-#pragma unroll
-      for (int k0 = 0; k0 < KP; k0 += 16) {
-        uint32_t a[4];
-        frag_a(a, cW, ldK, 16 * w, k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, sST, ldK, 8 * nt, k0, lane);
-          mma_16816<kind>(acc[nt], a, b);
-        }
-      }
+      warp_mma<kind, false, false, NT>(acc, cW, ldK, 16 * w, sST, ldK, 0, 0, KP, lane);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -197,17 +187,8 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
         for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
-#pragma unroll
-      for (int k0 = 0; k0 < kChunk; k0 += 16) {
-        uint32_t a[4];
-        frag_a_t(a, cK, ldK, 16 * (MT * w + mt), k0, lane);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          uint32_t b[2];
-          frag_b(b, sUT, ldC, 8 * nt, k0, lane);
-          mma_16816<kind>(S.s[mt][nt], a, b);
-        }
-      }
+      warp_mma<kind, true, false, NT>(S.s[mt], cK, ldK, 16 * (MT * w + mt), sUT, ldC, 0, 0,
+                                      kChunk, lane);
     }
     if (int(threadIdx.x) < kChunk) {  // the next chunk's gates (its buffer is free)
       sG[(buf ^ 1) * kChunk + threadIdx.x] = g_next;

@@ -1,7 +1,7 @@
 // Just enough of CUDA's device built-ins to run the kernels of csrc/cuda/gated_delta_*.cu and
 // csrc/cuda/codebook_mma.cuh on a CPU: one std::thread per CUDA thread, __syncthreads as a block
 // barrier, warp shuffles and mma.sync through a per-warp exchange with barriers, dynamic shared
-// memory per block.
+// memory per block; ldmatrix through the same exchange.
 #pragma once
 
 #include <algorithm>
@@ -9,6 +9,7 @@
 #include <condition_variable>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -168,6 +169,42 @@ void mma_m16n8k16(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
       s += f(elem(ar, k)) * f(elem(br, k));
     }
     c[i] = s;
+  }
+  w.bar.arrive_and_wait();
+}
+
+// ldmatrix.sync.aligned.m8n8.x{N}[.trans].shared.b16 for the calling warp: lane 8j + r gives
+// the address of row r (8 16-bit elements) of matrix j < N; lane (g = lane / 4, t = lane % 4)
+// receives elements 2t, 2t+1 of row g of matrix j in r[j] (trans: elements g of rows 2t and
+// 2t+1), low half first. The addresses are exchanged between the lanes as on the GPU, so a
+// lane reads the rows other lanes name; a row address not 16-byte aligned aborts.
+template <int N, bool kTrans>
+void ldmatrix(uint32_t (&out)[N], const uint16_t* row) {
+  Warp& w = *(*block->warps)[tid.x / 32];
+  const int lane = tid.x % 32;
+  if (lane < 8 * N && reinterpret_cast<uintptr_t>(row) % 16 != 0) {
+    std::fprintf(stderr, "ldmatrix: row address not 16-byte aligned\n");
+    std::abort();
+  }
+  static_assert(sizeof(row) <= sizeof(double), "pointer wider than a slot");
+  std::memcpy(&w.slots[lane], &row, sizeof(row));
+  w.bar.arrive_and_wait();
+  auto row_of = [&](int l) {
+    const uint16_t* p;
+    std::memcpy(&p, &w.slots[l], sizeof(p));
+    return p;
+  };
+  const int g = lane / 4, t = lane % 4;
+  for (int j = 0; j < N; ++j) {
+    uint16_t lo, hi;
+    if (kTrans) {
+      lo = row_of(8 * j + 2 * t)[g];
+      hi = row_of(8 * j + 2 * t + 1)[g];
+    } else {
+      lo = row_of(8 * j + g)[2 * t];
+      hi = row_of(8 * j + g)[2 * t + 1];
+    }
+    out[j] = uint32_t(lo) | (uint32_t(hi) << 16);
   }
   w.bar.arrive_and_wait();
 }
