@@ -258,7 +258,10 @@ def test_backward_non_contiguous_and_stride0_inputs():
                                                  (5, 33, 4, 8, 65536, 1), (16, 21, 6, 8, 40000, 1),
                                                  (3, 9, 3, 4, 1000, 1), (40, 17, 6, 8, 5000, 1),
                                                  ((2, 3), 11, 4, 8, 65536, 1),
-                                                 (1, 23, 5, 8, 900, 3)])
+                                                 (1, 23, 5, 8, 900, 3),
+                                                 # odd group counts on padded 8-row tiles
+                                                 (7, 30, 5, 8, 65536, 1),
+                                                 (11, 26, 9, 8, 3000, 2)])
 def test_half_codebook_with_float32_x(cb_dtype, rows, n, groups, d, e, m):
     x, idx, cb, s, b = make(rows, n, groups, d, e, m, seed=n * groups)
     cb = cb.to(cb_dtype)
@@ -295,9 +298,11 @@ def test_half_codebook_opcheck_and_empty_batch():
         assert rlx_torch.codebook_matmul(x[:0], idx, c, s, b).shape == (0, 9)
 
 
-def test_half_codebook_out_of_range_index_raises():
-    x, idx, cb, s, b = make(1, 9, 4, e=1000)
-    idx[3, 1] = 1000
+@pytest.mark.parametrize("rows", [1, 3, 7])  # the one-row kernel and the batch tiles
+@pytest.mark.parametrize("group", [1, 4])  # a pair of groups, the odd last group
+def test_half_codebook_out_of_range_index_raises(rows, group):
+    x, idx, cb, s, b = make(rows, 9, 5, e=1000)
+    idx[3, group] = 1000
     for c in (cb.half(), cb.bfloat16()):
         with pytest.raises(ValueError, match="indices must be < E=1000"):
             rlx_torch.codebook_matmul(x, idx, c, s, b)

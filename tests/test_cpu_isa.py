@@ -138,6 +138,17 @@ KERNELS = textwrap.dedent("""
                 grads = ops.codebook_matmul_backward(torch.randn_like(o), x, idx, cb, s,
                                                      [True, True, True, True])
                 out[f"codebook_{dt}_{rows}_{index_dtype}"] = (o, grads)
+        # the float16/bfloat16 codebook gather (1x16 layout, 16-bit codes): its one-row
+        # kernel, the batch tiles (the AVX-512 copy's pair kernel), an odd group count
+        if dt == torch.float32:
+            for rows in (1, 2, 7, 16):
+                N, Kin, D = 70, 9 * 8, 8
+                x = torch.randn(rows, Kin)
+                idx = torch.randint(-32768, 32768, (N, Kin // D), dtype=torch.int16)
+                cb = torch.randn(65536, D)
+                for cdt in (torch.float16, torch.bfloat16):
+                    out[f"codebook_half_gather_{rows}_{cdt}"] = ops.codebook_matmul(
+                        x, idx, cb.to(cdt), torch.rand(N), torch.randn(N))
         # the lookup-table forward's tile shapes (1, 8, 16, 32 rows a tile), full and short
         # tables, output rows past the 16-row tiles, table blocks with a short last one
         for rows in (1, 2, 16, 40):

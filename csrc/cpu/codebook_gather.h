@@ -203,9 +203,14 @@ void gather_tiles(const Dims& d, const acc_t* x_acc, acc_t* raw, const void* tab
   // those reads, not the entries', bound the loop, so a step serves several output rows.
   // Tiles of 4 rows and 3 output rows fill the AVX2 copy's 16 vector registers (12 sums and
   // 4 x vectors); 8 x 1 (the earlier shape) took 1.5x as long at 16 rows, 4 x 2 1.3x.
+  // The AVX-512 copy's pair kernel (codebook_gather.cpp) has 32 registers: 8 x 3 (24 sums).
   using std::integral_constant;
   if (B == 1) {
     run(integral_constant<int, 1>{}, integral_constant<int, 8>{});
+#if RLX_ISA_AVX512
+  } else if (B > 4) {
+    run(integral_constant<int, 8>{}, integral_constant<int, 3>{});
+#endif
   } else if (B == 2) {
     run(integral_constant<int, 2>{}, integral_constant<int, 6>{});
   } else {
