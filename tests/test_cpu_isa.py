@@ -1,6 +1,6 @@
 """CPU features at run time (csrc/cpu/cpu_isa.h): the extension's baseline is plain x86-64 (or
-arm64), and the CPU kernels' AVX2+FMA copies (AVX-512 ones for the codebook forward) are
-picked once per process.
+arm64), and the CPU kernels' AVX2+FMA copies (AVX-512 ones for the codebook forward and the
+gated delta rule) are picked once per process.
 
 * rlx::_cpu_isa reports the copy, RLX_CPU_ISA=baseline or =avx2 caps it;
 * each lower copy gives the default copy's results (the copies differ only in vector width,
@@ -263,11 +263,12 @@ def test_only_the_avx2_copies_have_avx_code():
         pytest.fail("objdump (binutils) is needed: apt-get install binutils")
     found, wide = _functions_with_avx(_library())
     # the test sees the copies' code at all: the AVX2 gated delta and codebook kernels, and
-    # the AVX-512 codebook forward's permute lookups
+    # the AVX-512 codebook forward's permute lookups and gated delta kernels
     assert any("isa_avx2::gdn_" in f for f in found), sorted(found)[:20]
     assert any("isa_avx2::" in f and "codebook" in f for f in found), sorted(found)[:20]
     if X86:
         assert any("isa_avx512::" in f and "codebook" in f for f in wide), sorted(wide)[:20]
+        assert any("isa_avx512::gdn_" in f for f in wide), sorted(wide)[:20]
     outside = sorted(f for f in found if not any(a in f for a in _ALLOWED))
     assert not outside, f"AVX code outside the AVX2 copies: {outside[:20]}"
     outside = sorted(f for f in wide if not any(a in f for a in _ALLOWED_512))

@@ -1,8 +1,10 @@
 // CPU features chosen at run time. The extension's baseline is plain x86-64 (plain arm64), so
 // a wheel runs on any CPU of its architecture; the kernels are compiled once more for
 // AVX2+FMA, and each op's entry picks a copy once per process (cpu_isa()). The codebook
-// forward (codebook.cpp) has a third copy, for AVX-512 (csrc/cpu/avx512/, RLX_ISA_AVX512_COPY,
-// namespace isa_avx512): only the files whose kernels use 512-bit vectors get one, and an
+// forward and gather (codebook.cpp, codebook_gather.cpp) and the gated delta rule's forward and
+// backward have a third copy, for AVX-512 (csrc/cpu/avx512/, RLX_ISA_AVX512_COPY, namespace
+// isa_avx512; the gated delta files' copies also define RLX_VEC_512, so that their vectors,
+// vec.h, are 512 bits wide): only the files whose kernels use 512-bit vectors get one, and an
 // AVX-512 CPU runs the AVX2 copy of every other file.
 //
 // How a kernel file is compiled twice: csrc/cpu/foo.cpp is the baseline copy, and

@@ -71,7 +71,7 @@ RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_VW_CHECK)
 }  // namespace rlx
 RLX_ISA_END
 
-#if !defined(RLX_ISA_AVX2_COPY)
+#if !defined(RLX_ISA_AVX2_COPY) && !defined(RLX_ISA_AVX512_COPY)
 // The op: host code, compiled once.
 namespace rlx {
 namespace {
@@ -136,17 +136,17 @@ at::Tensor gated_delta_bwd_cpu(const at::Tensor& q_in, const at::Tensor& k_in,
     const auto views = make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps);
     const acc_t* gh = grad_ht ? grad_ht->data_ptr<acc_t>() : nullptr;
     if (has_vw && !p.gate_per_channel) {  // (the token-by-token backward does not read vw)
-      TORCH_CHECK(!RLX_ISA_CALL(gdn_vw_mismatch<scalar_t, acc_t>)(
+      TORCH_CHECK(!RLX_ISA_CALL_AVX512(gdn_vw_mismatch<scalar_t, acc_t>)(
                       p, views, ckpt.data_ptr<acc_t>(), vw.data_ptr<acc_t>()),
                   op, ": vw does not match the checkpoints and inputs: pass the vw that ",
                   "rlx::gated_delta_fwd returned with these checkpoints for these inputs (or None)");
     }
     if (use_chunked_backward<acc_t>(p, g)) {
-      RLX_ISA_CALL(gdn_backward_chunked<scalar_t, acc_t>)(
+      RLX_ISA_CALL_AVX512(gdn_backward_chunked<scalar_t, acc_t>)(
           p, views, ckpt.data_ptr<acc_t>(), has_vw ? vw.data_ptr<acc_t>() : nullptr,
           grad_o.data_ptr<scalar_t>(), gh, lay, buf.data_ptr<acc_t>());
     } else {
-      RLX_ISA_CALL(gdn_backward_recurrent<scalar_t, acc_t>)(
+      RLX_ISA_CALL_AVX512(gdn_backward_recurrent<scalar_t, acc_t>)(
           p, views, ckpt.data_ptr<acc_t>(), grad_o.data_ptr<scalar_t>(), gh, lay,
           buf.data_ptr<acc_t>());
     }

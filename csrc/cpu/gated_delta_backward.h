@@ -40,7 +40,7 @@ class VecArray {
   SimdVec<acc_t>* data() const { return p_; }
 
  private:
-  static constexpr std::align_val_t kAlign{32};
+  static constexpr std::align_val_t kAlign{sizeof(SimdVec<acc_t>)};
   SimdVec<acc_t>* p_;
 };
 
@@ -70,7 +70,9 @@ inline void scatter_columns(const acc_t* src, int64_t K, int64_t V, int64_t ld, 
 // the backward in a profile. An empty asm on the value keeps them inline vector moves.
 template <typename vec>
 inline vec opaque(vec x) {
-#if defined(__x86_64__) || defined(_M_X64)
+#if RLX_VEC_BYTES == 64
+  asm("" : "+v"(x));  // one zmm register (AVX-512 copy)
+#elif defined(__x86_64__) || defined(_M_X64)
   asm("" : "+x"(x));  // one xmm (baseline) or ymm (AVX2 copy) register
 #elif defined(__aarch64__) && defined(__clang__)
   // NEON registers hold 128 bits: each half goes through one. (GCC's aarch64 port would spill
@@ -86,21 +88,23 @@ inline vec opaque(vec x) {
 }
 
 // Row-major [K, V] state -> column-major [V, K] scratch with column stride ld >= K. Float
-// states go through 8 x 8 tiles transposed in registers where a vector holds 8 floats (the scalar loop's strided stores
-// took 3% of the backward in a profile).
+// states go through 8 x 8 tiles transposed in 256-bit registers where the copy has AVX (the
+// scalar loop's strided stores took 3% of the backward in a profile).
 template <typename acc_t>
 inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, int64_t ld,
                            acc_t* __restrict dst) {
   int64_t K8 = 0, V8 = 0;
-#if RLX_VEC_BYTES == 32 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#if (RLX_VEC_BYTES == 32 || RLX_VEC_BYTES == 64) && \
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = SimdVec<float>;
+    using vec = Vec<float, 8>;  // 8 x 8 tiles in 256-bit registers in either copy
+    auto store_vec = [](float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); };
     K8 = K / 8 * 8;
     V8 = V / 8 * 8;
     for (int64_t r0 = 0; r0 < K8; r0 += 8) {
       for (int64_t j0 = 0; j0 < V8; j0 += 8) {
         vec x[8], t[8], y[8];
-        for (int64_t i = 0; i < 8; ++i) x[i] = load_vec(src + (r0 + i) * V + j0);
+        for (int64_t i = 0; i < 8; ++i) std::memcpy(&x[i], src + (r0 + i) * V + j0, sizeof(vec));
         for (int64_t i = 0; i < 8; i += 2) {
           t[i] = __builtin_shufflevector(x[i], x[i + 1], 0, 8, 1, 9, 4, 12, 5, 13);
           t[i + 1] = __builtin_shufflevector(x[i], x[i + 1], 2, 10, 3, 11, 6, 14, 7, 15);

@@ -91,16 +91,27 @@ inline void load_decay(const GdnProblem& p, const acc_t* g, int64_t tok, int64_t
 // transpose-and-add tree: 14 in-register shuffles and 7 adds for 8 sums, against ~15
 // instructions per column for hsum (the backward reduces 2 V columns per token; in-process
 // A/B, one thread: 4-8% faster by the minimum in three of four runs, equal in the fourth).
-// Fixed order, so still reproducible.
+// 16-float vectors are first folded to 8 lanes (low half + high half). Fixed order, so still
+// reproducible.
 template <typename acc_t>
 inline void hsum_columns(const SimdVec<acc_t>* __restrict x, int64_t n, acc_t* __restrict out) {
   int64_t j = 0;
-#if RLX_VEC_BYTES == 32 && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
+#if (RLX_VEC_BYTES == 32 || RLX_VEC_BYTES == 64) && \
+    (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
-    using vec = SimdVec<float>;
-    auto pair = [](const vec& a, const vec& b) {
-      return __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
-             __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+    using vec = Vec<float, 8>;
+    auto fold = [](const SimdVec<float>& a) -> vec {
+#if RLX_VEC_BYTES == 64
+      return __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
+             __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+      return a;
+#endif
+    };
+    auto pair = [&](const SimdVec<float>& a, const SimdVec<float>& b) {
+      const vec a8 = fold(a), b8 = fold(b);
+      return __builtin_shufflevector(a8, b8, 0, 8, 2, 10, 4, 12, 6, 14) +
+             __builtin_shufflevector(a8, b8, 1, 9, 3, 11, 5, 13, 7, 15);
     };
     auto quad = [](const vec& a, const vec& b) {
       return __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
@@ -109,8 +120,9 @@ inline void hsum_columns(const SimdVec<acc_t>* __restrict x, int64_t n, acc_t* _
     for (; j + 8 <= n; j += 8) {
       const vec t0 = quad(pair(x[j], x[j + 1]), pair(x[j + 2], x[j + 3]));
       const vec t1 = quad(pair(x[j + 4], x[j + 5]), pair(x[j + 6], x[j + 7]));
-      store_vec(out + j, __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
-                             __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15));
+      const vec s = __builtin_shufflevector(t0, t1, 0, 1, 2, 3, 8, 9, 10, 11) +
+                    __builtin_shufflevector(t0, t1, 4, 5, 6, 7, 12, 13, 14, 15);
+      std::memcpy(out + j, &s, sizeof(s));
     }
   }
 #endif
@@ -179,7 +191,13 @@ inline void prefetch_rows_l2(const void* p, int64_t bytes) {
 // a cache miss the token loops wait on.
 template <typename acc_t>
 inline void stream_vec(acc_t* dst, const SimdVec<acc_t>& x) {
-#if RLX_ISA_AVX
+#if RLX_VEC_BYTES == 64
+  if constexpr (std::is_same_v<acc_t, float>) {
+    _mm512_stream_ps(dst, reinterpret_cast<const __m512&>(x));
+  } else {
+    _mm512_stream_pd(dst, reinterpret_cast<const __m512d&>(x));
+  }
+#elif RLX_ISA_AVX
   if constexpr (std::is_same_v<acc_t, float>) {
     _mm256_stream_ps(dst, reinterpret_cast<const __m256&>(x));
   } else {

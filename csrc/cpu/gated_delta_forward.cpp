@@ -392,7 +392,7 @@ RLX_GDN_INSTANTIATE(RLX_INSTANTIATE_FORWARD)
 }  // namespace rlx
 RLX_ISA_END
 
-#if !defined(RLX_ISA_AVX2_COPY)
+#if !defined(RLX_ISA_AVX2_COPY) && !defined(RLX_ISA_AVX512_COPY)
 // The op: host code, compiled once.
 namespace rlx {
 namespace {
@@ -452,7 +452,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cpu(
   zero_unused_slots(p, cu ? cu->data_ptr<int64_t>() : nullptr, ckpt);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "gated_delta_fwd", [&] {
     using acc_t = acc_type_t<scalar_t>;
-    RLX_ISA_CALL(gdn_forward<scalar_t, acc_t>)(
+    RLX_ISA_CALL_AVX512(gdn_forward<scalar_t, acc_t>)(
         p, make_views<scalar_t, acc_t>(q, k, v, g, beta, cu, scale, l2norm_eps),
         h0 ? h0->data_ptr<acc_t>() : nullptr, o.data_ptr<scalar_t>(), ht.data_ptr<acc_t>(),
         ckpt.data_ptr<acc_t>(), vw.numel() > 0 ? vw.data_ptr<acc_t>() : nullptr);

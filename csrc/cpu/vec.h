@@ -2,9 +2,10 @@
 // copy (cpu_isa.h), 256 bits in the AVX2 copy and 128 in the x86-64 baseline (SSE2), so the
 // same source compiles to AVX2 or SSE2 on x86-64 and to NEON on arm64 (there a pair of
 // registers under clang, which keeps such pairs in registers, and one under GCC, which does
-// not). Explicit vectors keep accumulators in registers, where the compiler scalarizes or
-// spills plain local arrays of that size; a vector wider than the copy's registers would be
-// kept in memory by GCC, every operation a load and a store.
+// not); 512 bits in the gated delta kernels' AVX-512 copy (RLX_VEC_512). Explicit vectors
+// keep accumulators in registers, where the compiler scalarizes or spills plain local arrays
+// of that size; a vector wider than the copy's registers would be kept in memory by GCC,
+// every operation a load and a store.
 //   SimdVec<float> x = load_vec(p);  x += y * z;  store_vec(q, x);  float s = hsum<float>(x);
 #pragma once
 
@@ -20,7 +21,12 @@
 #endif
 
 // The kernels' working width in bytes (kVecBytes), as a macro for code written for one width.
-#if RLX_ISA_AVX || (defined(__aarch64__) && defined(__clang__))
+// An AVX-512 copy whose file defines RLX_VEC_512 before its includes works on 512-bit vectors
+// (the gated delta kernels'); the codebook's AVX-512 copy keeps 256-bit ones for its shared
+// code and uses 512-bit intrinsics where it needs them.
+#if RLX_ISA_AVX512 && defined(RLX_VEC_512)
+#define RLX_VEC_BYTES 64
+#elif RLX_ISA_AVX || (defined(__aarch64__) && defined(__clang__))
 #define RLX_VEC_BYTES 32
 #else
 #define RLX_VEC_BYTES 16
@@ -41,8 +47,8 @@ struct VecOf {
 template <typename T, int N>
 using Vec = typename VecOf<T, N>::type;
 
-// The kernels' working width in bytes: 32 (8 floats, 4 doubles) with AVX and on arm64 under
-// clang, else 16 (4 floats, 2 doubles).
+// The kernels' working width in bytes: 64 (16 floats, 8 doubles) in an RLX_VEC_512 copy, 32
+// (8 floats, 4 doubles) with AVX and on arm64 under clang, else 16 (4 floats, 2 doubles).
 inline constexpr int kVecBytes = RLX_VEC_BYTES;
 template <typename T>
 inline constexpr int kVecLanes = kVecBytes / sizeof(T);
