@@ -50,13 +50,19 @@ inline void gemm_tile(int64_t P, const acc_t* __restrict A, int64_t lda,
 
 // Tiles of 6 rows by 2 vectors: 12 independent accumulators keep both FMA pipes busy through
 // their 4-cycle latency, and with the 2 B vectors and the broadcast A value they use 15 of
-// AVX2's 16 vector registers.
+// AVX2's 16 vector registers. AVX-512 has 32: there 6 x 4 tiles (24 accumulators) load each
+// A value once per 4 vectors of B (a 64-wide row of B in floats).
 template <int64_t MR, typename acc_t>
 inline void gemm_cols(int64_t P, int64_t N, const acc_t* A, int64_t lda, const acc_t* B,
                       int64_t ldb, acc_t* C, int64_t ldc, const acc_t* rs, const acc_t* X,
                       acc_t cs) {
   constexpr int64_t L = kVecLanes<acc_t>;
   int64_t j = 0;
+#if RLX_VEC_BYTES == 64
+  for (; j + 4 * L <= N; j += 4 * L) {
+    gemm_tile<MR, 4>(P, A, lda, B + j, ldb, C + j, ldc, rs, X ? X + j : X, cs);
+  }
+#endif
   for (; j + 2 * L <= N; j += 2 * L) {
     gemm_tile<MR, 2>(P, A, lda, B + j, ldb, C + j, ldc, rs, X ? X + j : X, cs);
   }
