@@ -114,14 +114,14 @@ RLX_VBMI int64_t gather_one_row_bytes(const Dims& d, const uint8_t* idx, const _
   const int64_t steps = ng * M;
   const __m512i sel[4] = {half_select(0), half_select(1), half_select(2), half_select(3)};
   const __mmask64 upper = ~__mmask64(0) << 32;
+  // The index lines of the next 64 rows are prefetched one per step, spread over the block's
+  // work: 64 prefetches in a row that miss (after a large GEMM, say) wait for line-fill
+  // buffers and held the block up (17% of this function's samples at the burst).
   constexpr int64_t kAhead = 64;  // rows prefetched ahead
   int64_t j = j0;
   for (; j + 64 <= j1; j += 64) {
-    if (j + kAhead + 64 <= j1) {
-      for (int64_t i = 0; i < 64; ++i) {
-        __builtin_prefetch(idx + (j + kAhead + i) * row_stride + g0 * M);
-      }
-    }
+    const bool ahead = j + kAhead + 64 <= j1;
+    const uint8_t* next = idx + (j + kAhead) * row_stride + g0 * M;
     __m512 a[4];
     for (int k = 0; k < 4; ++k) a[k] = _mm512_loadu_ps(acc + (j - j0) + 16 * k);
     transpose_lanes(a);
@@ -134,6 +134,7 @@ RLX_VBMI int64_t gather_one_row_bytes(const Dims& d, const uint8_t* idx, const _
         transpose_codes(chunk, n, codes16[g]);
       }
       for (int s = 0; s < n; ++s) {
+        if (ahead && s0 + s < 64) __builtin_prefetch(next + (s0 + s) * row_stride);
         const int w = s / 4, b = s % 4;
         const __m512i codes = _mm512_mask_blend_epi8(
             upper, _mm512_permutex2var_epi8(codes16[0][w], sel[b], codes16[1][w]),
@@ -155,6 +156,9 @@ RLX_VBMI int64_t gather_one_row_bytes(const Dims& d, const uint8_t* idx, const _
         a[2] = _mm512_add_ps(a[2], _mm512_castsi512_ps(_mm512_unpacklo_epi16(hi01, hi23)));
         a[3] = _mm512_add_ps(a[3], _mm512_castsi512_ps(_mm512_unpackhi_epi16(hi01, hi23)));
       }
+    }
+    if (ahead) {
+      for (int64_t i = steps; i < 64; ++i) __builtin_prefetch(next + i * row_stride);
     }
     transpose_lanes(a);
     for (int k = 0; k < 4; ++k) _mm512_storeu_ps(acc + (j - j0) + 16 * k, a[k]);
