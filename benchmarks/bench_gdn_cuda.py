@@ -3,9 +3,10 @@ rlx_torch.gated_delta_rule against fla's Triton kernels in one process, bf16 q/k
 g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_rule``) and
 per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
 taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
-and head forward, 3x that forward+backward. For the per-head gate the chunked tensor-core
-forward (RLX_CUDA_GATED_DELTA_CHUNKED=1) is timed in the same turns; at the end, torch.profiler
-gives the CUDA time per kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
+and head forward, 3x that forward+backward. "rlx" is the token recurrence; for the per-head
+gate the chunked tensor-core kernels (RLX_CUDA_GATED_DELTA_CHUNKED=1 around forward and
+backward) are timed in the same turns; at the end, torch.profiler gives the CUDA time per
+kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
 
 Run as a script (``python benchmarks/bench_gdn_cuda.py [--chunk-size 64 128]``) it times the
 chunked path through ``torch.ops.rlx.gated_delta_fwd`` / ``gated_delta_bwd`` directly (first
@@ -15,6 +16,7 @@ reproducible, equal across chunk sizes (the states from the 64-token checkpoints
 re-run of the state kernel round alike) and close to the token backward.
 """
 
+import contextlib
 import itertools
 import json
 import os
@@ -57,12 +59,25 @@ def ours(q, k, v, g, beta):
 
 
 def chunked(q, k, v, g, beta):
-    """rlx_torch with the chunked tensor-core forward (RLX_CUDA_GATED_DELTA_CHUNKED=1)."""
-    os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"] = "1"
+    """rlx_torch on the chunked tensor-core kernels: rlx_path sets RLX_CUDA_GATED_DELTA_CHUNKED=1
+    around its forward and its backward (the ops read it at every call)."""
+    return ours(q, k, v, g, beta)
+
+
+@contextlib.contextmanager
+def rlx_path(fn):
+    """RLX_CUDA_GATED_DELTA_CHUNKED=1 while `chunked` (forward and backward) runs, unset while
+    any other fn runs, restored afterwards."""
+    key = "RLX_CUDA_GATED_DELTA_CHUNKED"
+    saved = os.environ.pop(key, None)
+    if fn is chunked:
+        os.environ[key] = "1"
     try:
-        return ours(q, k, v, g, beta)
+        yield
     finally:
-        del os.environ["RLX_CUDA_GATED_DELTA_CHUNKED"]
+        os.environ.pop(key, None)
+        if saved is not None:
+            os.environ[key] = saved
 
 
 def kernel_profile(fn, B, T, H, K, V, per_channel, backward):
@@ -73,7 +88,7 @@ def kernel_profile(fn, B, T, H, K, V, per_channel, backward):
     grad_out = torch.randn(B, T, H, V, device="cuda", dtype=torch.bfloat16)
 
     def once():
-        with torch.set_grad_enabled(backward):
+        with torch.set_grad_enabled(backward), rlx_path(fn):
             out = fn(*inputs)
             if backward:
                 out.backward(grad_out)
@@ -105,9 +120,10 @@ def time_cuda(fns, args, backward, warmup, repeats):
     grad_out = torch.randn_like(fns[0](*args)) if backward else None
 
     def once(fn):
-        out = fn(*args)
-        if backward:
-            out.backward(grad_out)
+        with rlx_path(fn):
+            out = fn(*args)
+            if backward:
+                out.backward(grad_out)
         for t in args:
             t.grad = None
 
@@ -143,7 +159,7 @@ def main_cuda(args):
                     [chunked] if gate == "head" else [])
                 with torch.set_grad_enabled(backward):
                     t = time_cuda(fns, inputs, backward, warmup=3, repeats=max(args.repeats, 5))
-                t_ours, t_fla = (t + [None])[:2]
+                t_ours, t_fla = t[0], (t[1] if fla else None)
                 t_chunked = t[-1] if gate == "head" else None
                 flops = 7 * K * V * B * T * H * (3 if backward else 1)
                 row = dict(gate=gate, mode=mode, B=B, T=T, H=H, K=K, V=V,

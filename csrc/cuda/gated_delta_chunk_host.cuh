@@ -87,12 +87,14 @@ inline ChunkPlan plan_chunks(const GdnProblem& p, const SeqLens& cu, double scal
   return P;
 }
 
-// 16-column state tiles when 32-column ones would leave SMs idle (the recurrences are serial).
+// 16-column state tiles when 32-column ones would leave SMs idle (the recurrences are serial):
+// fewer 32-column blocks than SMs. (Two waves of 16-column blocks were slower than one of
+// 32-column blocks at B=4 H=16 V=128: docs/cuda.md.)
 inline bool narrow_state_tiles(int64_t num_seqs, int64_t HV, int64_t VP) {
   int dev = 0, sms = 0;
   C10_CUDA_CHECK(cudaGetDevice(&dev));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return num_seqs * HV * (VP / 32) < 2 * int64_t(sms);
+  return num_seqs * HV * (VP / 32) < int64_t(sms);
 }
 
 template <Bits16 kind, int MT, int NT>
