@@ -1,5 +1,5 @@
-// The AVX-512 copy of ../gated_delta_forward.cpp (cpu_isa.h explains the copies), on 512-bit vectors
-// (RLX_VEC_512, vec.h).
+// The AVX-512 copy of ../gated_delta_forward.cpp (cpu_isa.h explains the copies),
+// on 512-bit vectors (RLX_VEC_512, vec.h).
 #if defined(__x86_64__) || defined(_M_X64)
 #define RLX_ISA_AVX512_COPY 1
 #define RLX_VEC_512 1
