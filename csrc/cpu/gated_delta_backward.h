@@ -98,7 +98,7 @@ inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, in
     (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12))
   if constexpr (std::is_same_v<acc_t, float>) {
     using vec = Vec<float, 8>;  // 8 x 8 tiles in 256-bit registers in either copy
-    auto store_vec = [](float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); };
+    auto store8 = [](float* p, const vec& v) { std::memcpy(p, &v, sizeof(v)); };
     K8 = K / 8 * 8;
     V8 = V / 8 * 8;
     for (int64_t r0 = 0; r0 < K8; r0 += 8) {
@@ -116,10 +116,10 @@ inline void gather_columns(const acc_t* __restrict src, int64_t K, int64_t V, in
           y[i + 3] = __builtin_shufflevector(t[i + 1], t[i + 3], 2, 3, 10, 11, 6, 7, 14, 15);
         }
         for (int64_t i = 0; i < 4; ++i) {  // y[i]: columns i and i + 4 of rows r0..r0+3
-          store_vec(dst + (j0 + i) * ld + r0,
-                    __builtin_shufflevector(y[i], y[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
-          store_vec(dst + (j0 + i + 4) * ld + r0,
-                    __builtin_shufflevector(y[i], y[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
+          store8(dst + (j0 + i) * ld + r0,
+                 __builtin_shufflevector(y[i], y[i + 4], 0, 1, 2, 3, 8, 9, 10, 11));
+          store8(dst + (j0 + i + 4) * ld + r0,
+                 __builtin_shufflevector(y[i], y[i + 4], 4, 5, 6, 7, 12, 13, 14, 15));
         }
       }
     }
