@@ -101,6 +101,21 @@ def test_sequence_lengths(T, variant):
         assert rel_rms(ours[name], expected) < TOL[torch.float32], name
 
 
+@pytest.mark.parametrize("V", [48, 80, 112])
+def test_value_blocks_off_the_vector_grid(V):
+    # One head on two threads splits V into column blocks of a multiple of 8 (24 for V = 80):
+    # the forward's vw rows are then not aligned to a 512-bit vector, and must not be written
+    # with streaming stores that need that alignment (the AVX-512 copy crashed here).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        ours, ref = run_both(make_inputs(B=1, T=100, H=1, HV=1, K=16, V=V, state=True))
+    finally:
+        torch.set_num_threads(threads)
+    for name, expected in ref.items():
+        assert rel_rms(ours[name], expected) < TOL[torch.float32], name
+
+
 @pytest.mark.parametrize("per_channel", [False, True], ids=["per_head", "per_channel"])
 def test_large_states_use_several_sub_chunks(per_channel):
     # The backward recomputes a chunk in sub-chunks of at most 8 MiB of states: 15 tokens

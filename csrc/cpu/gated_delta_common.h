@@ -217,7 +217,7 @@ template <typename acc_t>
 inline void stream_row(acc_t* __restrict dst, const acc_t* __restrict src, int64_t n) {
   constexpr int64_t L = kVecLanes<acc_t>;
   int64_t i = 0;
-  if (reinterpret_cast<uintptr_t>(dst) % 32 == 0) {
+  if (reinterpret_cast<uintptr_t>(dst) % sizeof(SimdVec<acc_t>) == 0) {
     for (; i + L <= n; i += L) stream_vec(dst + i, load_vec(src + i));
   }
   for (; i < n; ++i) dst[i] = src[i];

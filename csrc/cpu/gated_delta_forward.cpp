@@ -156,9 +156,11 @@ void forward_kernel(const GdnProblem& p, const Views<in_t, acc_t>& in, const acc
     BV = (BV / 2 + 7) / 8 * 8;
   }
   const int64_t nvb = (V + BV - 1) / BV;
-  // vw rows are vector-aligned (BV is a multiple of 8) when V is a multiple of a vector.
-  const bool vw_streamed = V % (int64_t(kVecLanes<acc_t>)) == 0 &&
-                           reinterpret_cast<uintptr_t>(vw_out) % 32 == 0;
+  // vw's block rows are vector-aligned when V and BV are multiples of a vector and vw is
+  // (BV is a multiple of 8 floats: 16-float vectors need the second test).
+  constexpr int64_t kLanes = kVecLanes<acc_t>;
+  const bool vw_streamed = V % kLanes == 0 && BV % kLanes == 0 &&
+                           reinterpret_cast<uintptr_t>(vw_out) % sizeof(SimdVec<acc_t>) == 0;
   // A task runs a group of a head's column blocks over chunks of TC tokens: the per-token
   // row factors (and the strided q/k rows they come from) are computed once per chunk and
   // then read by every block of the group. Groups split a head only when there are fewer
