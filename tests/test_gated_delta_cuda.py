@@ -372,6 +372,33 @@ def test_opcheck_ops(case):
     torch.library.opcheck(torch.ops.rlx.gated_delta_l2norm_bwd.default, (dy, x.detach(), r))
 
 
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_l2norm_ops_match_the_definition(dtype):
+    """The fused l2norm kernels (csrc/cuda/gated_delta_l2norm.cuh) against fla's l2norm in
+    float64: a non-contiguous x with K over two lanes' worth, a zero row, and no rows."""
+    gen = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 70, 9, generator=gen, dtype=torch.float64) * 2
+    base[0, :, 0] = 0
+    x = base.to(dtype).to(CUDA).transpose(1, 2)  # [4, 9, 70], last dim not contiguous
+    dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(dtype).to(CUDA)
+    y, r = torch.ops.rlx.gated_delta_l2norm_fwd(x, 1e-6)
+    dx = torch.ops.rlx.gated_delta_l2norm_bwd(dy, x, r)
+    xd = x.double().cpu().requires_grad_()
+    r_want = (xd.square().sum(-1, keepdim=True) + 1e-6).rsqrt()
+    y_want = xd * r_want
+    (dx_want,) = torch.autograd.grad((y_want * dy.double().cpu()).sum(), xd)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    assert y.dtype == dtype and dx.dtype == dtype and r.dtype == acc
+    tol = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5, torch.float64: 1e-12}
+    torch.testing.assert_close(y.double().cpu(), y_want.detach(), rtol=tol[dtype], atol=tol[dtype])
+    torch.testing.assert_close(r.double().cpu(), r_want.squeeze(-1).detach(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(dx.double().cpu(), dx_want, rtol=tol[dtype], atol=tol[dtype])
+    empty = torch.empty(0, 3, 70, device=CUDA, dtype=dtype)
+    ye, re = torch.ops.rlx.gated_delta_l2norm_fwd(empty, 1e-6)
+    assert ye.shape == empty.shape and re.shape == (0, 3)
+    assert torch.ops.rlx.gated_delta_l2norm_bwd(empty, empty, re).shape == empty.shape
+
 def test_packed_backward_layout_matches_cpu():
     inputs = make_inputs(B=1, T=20, H=1, HV=2, K=4, V=6, per_channel=True, state=True,
                          cu_seqlens=[0, 7, 20])

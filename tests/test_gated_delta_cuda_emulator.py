@@ -289,3 +289,60 @@ def test_emulated_chunked_backward_states_from_forward_are_the_rerun_ones(chunk_
     for name in kept:
         assert torch.isfinite(kept[name]).all(), name
         assert torch.equal(kept[name], rerun[name]), name
+
+
+@pytest.fixture(scope="module")
+def l2norm_emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu_l2norm"), "gdn_l2norm_emu_main")
+
+
+def _l2norm_f64(x, eps):
+    """fla's l2norm from its definition, in float64: (x r, r), r = (sum x^2 + eps)^-1/2."""
+    r = (x.double().square().sum(-1, keepdim=True) + eps).rsqrt()
+    return x.double() * r, r.squeeze(-1)
+
+
+def _l2norm_grad_f64(x, dy, eps):
+    """d/dx of sum(dy * l2norm(x)) by autograd through the float64 definition."""
+    xd = x.double().requires_grad_()
+    (y, _) = _l2norm_f64(xd, eps)
+    return torch.autograd.grad((y * dy.double()).sum(), xd)[0]
+
+
+# rows: a partial last block of 8 warps; K: fewer than, exactly and more than one lane each,
+# and K not a multiple of 32; parts x group: the backward's column tiles and GVA heads
+@pytest.mark.parametrize(("rows", "K", "parts", "group"),
+                         [(37, 1, 1, 1), (9, 5, 2, 3), (17, 32, 1, 2), (11, 33, 3, 1),
+                          (8, 128, 2, 2), (5, 300, 1, 1)])
+def test_emulated_l2norm_kernels_match_the_definition(rows, K, parts, group, l2norm_emulator,
+                                                      tmp_path):
+    gen = torch.Generator().manual_seed(rows * 1000 + K)
+    x = torch.randn(rows, K, generator=gen) * 3
+    x[0] = 0.0  # a zero row: r = eps^-1/2, y = 0
+    dy = torch.randn(parts, rows, group, K, generator=gen)
+    eps = 1e-6
+    _write(str(tmp_path / "x.bin"), x)
+    _write(str(tmp_path / "dy.bin"), dy)
+    proc = subprocess.run([l2norm_emulator, str(tmp_path), str(rows), str(K), str(parts),
+                           str(group), str(eps)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    y, r = _l2norm_f64(x, eps)
+    torch.testing.assert_close(_read(str(tmp_path / "y.bin"), (rows, K)).double(), y,
+                               rtol=2e-6, atol=1e-7)
+    torch.testing.assert_close(_read(str(tmp_path / "rstd.bin"), (rows,)).double(), r,
+                               rtol=2e-6, atol=0)
+    # bf16: the rounded x normalized in float32, then rounded once to bf16 (within one ulp
+    # of the float64 value rounded, as float32 sums may fall on either side of a tie)
+    xb = x.bfloat16().float()
+    yb_want = _l2norm_f64(xb, eps)[0]
+    yb = _read(str(tmp_path / "y_bf16.bin"), (rows, K)).double()
+    torch.testing.assert_close(yb, yb_want, rtol=2 ** -8, atol=1e-7)
+    assert torch.equal(yb.bfloat16().double(), yb), "y_bf16 is not a bf16 value"
+    dy_sum = dy.double().sum((0, 2))  # the parts and the group's rows, added
+    torch.testing.assert_close(_read(str(tmp_path / "dx_fused.bin"), (rows, K)).double(),
+                               _l2norm_grad_f64(x, dy_sum, eps), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_read(str(tmp_path / "dx_fused_bf16.bin"), (rows, K)).double(),
+                               _l2norm_grad_f64(xb, dy_sum, eps), rtol=1e-5, atol=1e-5)
+    dy0 = dy.reshape(-1)[: rows * K].view(rows, K)
+    torch.testing.assert_close(_read(str(tmp_path / "dx.bin"), (rows, K)).double(),
+                               _l2norm_grad_f64(x, dy0, eps), rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@
 #include "gated_delta_chunk_bwd_grads.cuh"
 #include "gated_delta_chunk_host.cuh"
 #include "gated_delta_cuda.cuh"
+#include "gated_delta_l2norm.cuh"
 
 namespace rlx::gdn::cuda {
 namespace {
@@ -300,19 +301,18 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
             gdn_checkpoint_tag(p.chunk, l2norm_eps, gdn_keeps_vw(p.chunk, p.gate_per_channel)));
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const SeqLens cu = seq_lens(cu_seqlens, q_in.device());
-  at::Tensor q = q_in.contiguous(), k = k_in.contiguous();
-  at::Tensor rq, rk;  // l2norm factors
-  if (l2norm_eps.has_value()) {
-    std::tie(q, rq) = l2norm_rows(q, *l2norm_eps, p.acc_dtype);
-    std::tie(k, rk) = l2norm_rows(k, *l2norm_eps, p.acc_dtype);
-  }
   // the chunked kernels' products read q and k in v's dtype (as in the forward); it reads the
   // forward's vw, which it keeps in every case the chunked path covers (gdn_keeps_vw). K or V
   // above 128 stays on the token backward: the emulator does not reach those tiles, and their
   // GPU tests have not yet finished a run (the forward's have).
   const bool chunked = chunked_applies(p) && p.head_k_dim <= 128 && p.head_v_dim <= 128 &&
                        vw.has_value() && vw->numel() > 0;
-  const at::Tensor q16 = chunked ? q.to(p.input_dtype) : q, k16 = chunked ? k.to(p.input_dtype) : k;
+  const at::Tensor q_raw = q_in.contiguous(), k_raw = k_in.contiguous();
+  at::Tensor q = q_raw, k = k_raw;  // normalized when l2norm_eps is given
+  if (l2norm_eps.has_value()) {
+    q = l2norm_rows(q_raw, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
+    k = l2norm_rows(k_raw, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
+  }
   const at::Tensor v = v_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), dout = grad_o_in.contiguous();
   const std::optional<at::Tensor> dht =
@@ -340,10 +340,10 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   if (chunked) {
     const at::Tensor vwc = vw->contiguous();
     if (p.input_dtype == at::kBFloat16) {
-      chunked_backward<Bits16::kBFloat16>(p, cu, scale, q16, k16, v, g, beta, h0, dout, dht,
+      chunked_backward<Bits16::kBFloat16>(p, cu, scale, q, k, v, g, beta, h0, dout, dht,
                                           vwc, ckpt, layout, packed, dq_part, dk_part, stream);
     } else {
-      chunked_backward<Bits16::kHalf>(p, cu, scale, q16, k16, v, g, beta, h0, dout, dht, vwc,
+      chunked_backward<Bits16::kHalf>(p, cu, scale, q, k, v, g, beta, h0, dout, dht, vwc,
                                       ckpt, layout, packed, dq_part, dk_part, stream);
     }
   } else {
@@ -409,12 +409,9 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   const at::IntArrayRef tiles_group(tiles_group_dims);
   at::Tensor dq = slice(layout.dq).view({tokens, H, K});
   at::Tensor dk = slice(layout.dk).view({tokens, H, K});
-  if (l2norm_eps.has_value()) {
-    // dx = r (dy - y (y . dy)), y = x r the normalized row
-    const at::Tensor qn = q.view({tokens, H, K}), kn = k.view({tokens, H, K});
-    const at::Tensor dqn = dq_part.sum(tiles_group), dkn = dk_part.sum(tiles_group);
-    dq.copy_(rq.view({tokens, H, 1}) * (dqn - qn * (qn * dqn).sum(-1, true)));
-    dk.copy_(rk.view({tokens, H, 1}) * (dkn - kn * (kn * dkn).sum(-1, true)));
+  if (l2norm_eps.has_value()) {  // the sums and the l2norm backward in one kernel each
+    l2norm_rows_backward_fused(q_raw, dq_part, *l2norm_eps, dq);
+    l2norm_rows_backward_fused(k_raw, dk_part, *l2norm_eps, dk);
   } else if (!direct_dqk) {
     at::sum_out(dq, dq_part, tiles_group);
     at::sum_out(dk, dk_part, tiles_group);

@@ -328,15 +328,6 @@ inline void allow_shared_memory(Kernel kernel, size_t bytes) {
   }
 }
 
-// fla's l2norm in the accumulation dtype: (x r, r), r = (sum x^2 + eps)^-1/2 per row. The
-// normalized rows stay in the accumulation dtype (as the CPU kernels read them).
-inline std::pair<at::Tensor, at::Tensor> l2norm_rows(const at::Tensor& x, double eps,
-                                                     at::ScalarType acc) {
-  const at::Tensor xf = x.to(acc);
-  const at::Tensor r = at::reciprocal(at::sqrt(xf.square().sum(-1, true) + eps));
-  return {xf * r, r};
-}
-
 // cu_seqlens on the device (it may be given on the CPU) and on the host.
 struct SeqLens {
   at::Tensor device, host;

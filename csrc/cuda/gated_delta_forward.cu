@@ -14,6 +14,7 @@
 #include "gated_delta_chunk_host.cuh"
 #include "gated_delta_chunk_state.cuh"
 #include "gated_delta_cuda.cuh"
+#include "gated_delta_l2norm.cuh"
 
 namespace rlx::gdn::cuda {
 namespace {
@@ -151,12 +152,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
                                 : std::nullopt;
   const bool chunked = chunked_applies(p);
   if (l2norm_eps.has_value()) {  // the chunked path's products read q and k in v's dtype
-    q = l2norm_rows(q, *l2norm_eps, p.acc_dtype).first;
-    k = l2norm_rows(k, *l2norm_eps, p.acc_dtype).first;
-    if (chunked) {
-      q = q.to(p.input_dtype);
-      k = k.to(p.input_dtype);
-    }
+    q = l2norm_rows(q, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
+    k = l2norm_rows(k, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
   }
   const int64_t K = p.head_k_dim, V = p.head_v_dim, HV = p.num_v_heads;
   const auto acc_opts = q_in.options().dtype(p.acc_dtype);

@@ -1,11 +1,12 @@
 // rlx::gated_delta_l2norm_fwd / _bwd on CUDA: fla's l2norm over the last dim, as on the CPU
 // (csrc/cpu/gated_delta_l2norm.cpp): y = x r, r = (sum x^2 + eps)^-1/2 in the accumulation
-// dtype; dx = r (dy - x r^2 (x . dy)). Memory-bound elementwise work: composed of ATen ops,
-// run below autograd (the ops have no autograd formula; like the CPU kernels they must not
-// record one of their own for inputs that require grad).
+// dtype; dx = r (dy - x r^2 (x . dy)). The kernels are gated_delta_l2norm.cuh's; the ops run
+// below autograd (they have no autograd formula; like the CPU kernels they must not record
+// one of their own for inputs that require grad).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "gated_delta_l2norm.cuh"
 #include "rlx/gdn_checks.h"
 
 namespace rlx::gdn::cuda {
@@ -23,9 +24,8 @@ std::tuple<at::Tensor, at::Tensor> l2norm_fwd_cuda(const at::Tensor& x, double e
   const char* op = "rlx::gated_delta_l2norm_fwd";
   check_x(op, x);
   const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const at::Tensor xf = x.to(gdn_acc_dtype(x.scalar_type()));
-  const at::Tensor r = at::reciprocal(at::sqrt(xf.square().sum(-1) + eps));
-  return {(xf * r.unsqueeze(-1)).to(x.scalar_type()).contiguous(), r};
+  const c10::cuda::CUDAGuard guard(x.device());
+  return l2norm_rows(x, eps, /*out_acc=*/false, /*want_rstd=*/true);
 }
 
 at::Tensor l2norm_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& rstd) {
@@ -42,9 +42,8 @@ at::Tensor l2norm_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x, const 
               rstd.scalar_type(), " ", rstd.sizes());
   TORCH_CHECK(grad_y.device() == x.device() && rstd.device() == x.device(), op,
               ": grad_y, x and rstd must be on one device");
-  const at::Tensor xf = x.to(acc), dy = grad_y.to(acc), r = rstd.unsqueeze(-1);
-  const at::Tensor dx = r * (dy - xf * r.square() * (xf * dy).sum(-1, true));
-  return dx.to(x.scalar_type()).contiguous();
+  const c10::cuda::CUDAGuard guard(x.device());
+  return l2norm_rows_backward(x, grad_y, rstd);
 }
 
 }  // namespace
