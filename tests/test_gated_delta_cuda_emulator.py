@@ -309,11 +309,13 @@ def _l2norm_grad_f64(x, dy, eps):
     return torch.autograd.grad((y * dy.double()).sum(), xd)[0]
 
 
-# rows: a partial last block of 8 warps; K: fewer than, exactly and more than one lane each,
-# and K not a multiple of 32; parts x group: the backward's column tiles and GVA heads
+# rows: a partial last block of 8 warps; K: rows held in registers at 1, 2, 4 and 8 values
+# per lane, full and partly filled, and the generic path (K > 256); parts x group: the
+# backward's column tiles and GVA heads
 @pytest.mark.parametrize(("rows", "K", "parts", "group"),
                          [(37, 1, 1, 1), (9, 5, 2, 3), (17, 32, 1, 2), (11, 33, 3, 1),
-                          (8, 128, 2, 2), (5, 300, 1, 1)])
+                          (8, 128, 2, 2), (6, 100, 1, 1), (7, 200, 2, 1), (5, 256, 1, 1),
+                          (5, 300, 1, 1)])
 def test_emulated_l2norm_kernels_match_the_definition(rows, K, parts, group, l2norm_emulator,
                                                       tmp_path):
     gen = torch.Generator().manual_seed(rows * 1000 + K)

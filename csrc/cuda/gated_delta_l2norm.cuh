@@ -61,9 +61,26 @@ __device__ __forceinline__ typename InIo::acc row_rstd(const typename InIo::stor
   return acc_t(1) / norm_sqrt(warp_sum(s) + eps);
 }
 
+// Rows of K <= 32 N elements keep them in registers (N per lane: one read of memory);
+// N = 0 takes any K and reads the row again for each pass.
+template <typename F>
+void with_lanes(int K, F&& f) {
+  if (K <= 32) {
+    f(std::integral_constant<int, 1>{});
+  } else if (K <= 64) {
+    f(std::integral_constant<int, 2>{});
+  } else if (K <= 128) {
+    f(std::integral_constant<int, 4>{});
+  } else if (K <= 256) {
+    f(std::integral_constant<int, 8>{});
+  } else {
+    f(std::integral_constant<int, 0>{});
+  }
+}
+
 // y[row] = x[row] r (OutIo: the input's own type or the accumulation dtype); rstd[row] = r
 // unless rstd is null.
-template <typename InIo, typename OutIo>
+template <typename InIo, typename OutIo, int N>
 __global__ void __launch_bounds__(kNormThreads)
     l2norm_rows_kernel(const typename InIo::storage* __restrict__ x,
                        typename OutIo::storage* __restrict__ y,
@@ -75,8 +92,26 @@ __global__ void __launch_bounds__(kNormThreads)
   const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / kWarp;
   if (row >= rows) return;  // the whole warp: rows are warp-uniform
   const typename InIo::storage* xr = x + row * K;
-  const acc_t r = row_rstd<InIo>(xr, K, eps, lane);
-  for (int c = lane; c < K; c += kWarp) y[row * K + c] = OutIo::put(InIo::get(xr[c]) * r);
+  typename OutIo::storage* yr = y + row * K;
+  acc_t r;
+  if constexpr (N > 0) {
+    acc_t v[N], s = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int c = lane + kWarp * i;
+      v[i] = c < K ? InIo::get(xr[c]) : acc_t(0);
+      s += v[i] * v[i];
+    }
+    r = acc_t(1) / norm_sqrt(warp_sum(s) + eps);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int c = lane + kWarp * i;
+      if (c < K) yr[c] = OutIo::put(v[i] * r);
+    }
+  } else {
+    r = row_rstd<InIo>(xr, K, eps, lane);
+    for (int c = lane; c < K; c += kWarp) yr[c] = OutIo::put(InIo::get(xr[c]) * r);
+  }
   if (rstd != nullptr && lane == 0) rstd[row] = r;
 }
 
@@ -119,7 +154,7 @@ struct NormGrad {
   }
 };
 
-template <typename InIo, bool kFused>
+template <typename InIo, bool kFused, int N>
 __global__ void __launch_bounds__(kNormThreads)
     l2norm_rows_backward_kernel(const NormGrad<InIo, kFused> a) {
   using acc_t = typename InIo::acc;
@@ -127,18 +162,44 @@ __global__ void __launch_bounds__(kNormThreads)
   const int64_t row = int64_t(blockIdx.x) * kNormWarps + int(threadIdx.x) / kWarp;
   if (row >= a.rows) return;
   const typename InIo::storage* xr = a.x + row * a.K;
-  acc_t r;
-  if constexpr (kFused) {
-    r = row_rstd<InIo>(xr, a.K, a.eps, lane);
+  if constexpr (N > 0) {
+    acc_t xv[N], dy[N], s = 0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int c = lane + kWarp * i;
+      xv[i] = c < a.K ? InIo::get(xr[c]) : acc_t(0);
+      dy[i] = c < a.K ? a.grad_at(row, c) : acc_t(0);
+      s += xv[i] * xv[i];
+    }
+    acc_t r;
+    if constexpr (kFused) {
+      r = acc_t(1) / norm_sqrt(warp_sum(s) + a.eps);
+    } else {
+      r = a.rstd[row];
+    }
+    acc_t dot = 0;  // y . dy
+#pragma unroll
+    for (int i = 0; i < N; ++i) dot += xv[i] * r * dy[i];
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const int c = lane + kWarp * i;
+      if (c < a.K) a.put(row * a.K + c, r * (dy[i] - xv[i] * r * dot));
+    }
   } else {
-    r = a.rstd[row];
-  }
-  acc_t dot = 0;  // y . dy
-  for (int c = lane; c < a.K; c += kWarp) dot += InIo::get(xr[c]) * r * a.grad_at(row, c);
-  dot = warp_sum(dot);
-  for (int c = lane; c < a.K; c += kWarp) {
-    const acc_t y = InIo::get(xr[c]) * r;
-    a.put(row * a.K + c, r * (a.grad_at(row, c) - y * dot));
+    acc_t r;
+    if constexpr (kFused) {
+      r = row_rstd<InIo>(xr, a.K, a.eps, lane);
+    } else {
+      r = a.rstd[row];
+    }
+    acc_t dot = 0;
+    for (int c = lane; c < a.K; c += kWarp) dot += InIo::get(xr[c]) * r * a.grad_at(row, c);
+    dot = warp_sum(dot);
+    for (int c = lane; c < a.K; c += kWarp) {
+      const acc_t y = InIo::get(xr[c]) * r;
+      a.put(row * a.K + c, r * (a.grad_at(row, c) - y * dot));
+    }
   }
 }
 
@@ -176,10 +237,13 @@ inline std::pair<at::Tensor, at::Tensor> l2norm_rows(const at::Tensor& x_in, dou
     using acc_t = typename In::acc;
     auto launch = [&](auto out_io) {
       using Out = decltype(out_io);
-      l2norm_rows_kernel<In, Out><<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(
-          reinterpret_cast<const typename In::storage*>(x.data_ptr()),
-          reinterpret_cast<typename Out::storage*>(y.data_ptr()),
-          want_rstd ? r.data_ptr<acc_t>() : nullptr, rows, int(K), acc_t(eps));
+      with_lanes(int(K), [&](auto lanes) {
+        l2norm_rows_kernel<In, Out, decltype(lanes)::value>
+            <<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(
+                reinterpret_cast<const typename In::storage*>(x.data_ptr()),
+                reinterpret_cast<typename Out::storage*>(y.data_ptr()),
+                want_rstd ? r.data_ptr<acc_t>() : nullptr, rows, int(K), acc_t(eps));
+      });
     };
     if (out_acc) {
       launch(PlainIo<acc_t>{});
@@ -217,8 +281,10 @@ inline void l2norm_rows_backward_fused(const at::Tensor& x_in, const at::Tensor&
     a.group = int(parts.size(3));
     a.part_stride = parts.stride(0);
     a.eps = acc_t(eps);
-    l2norm_rows_backward_kernel<In, true>
-        <<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(a);
+    with_lanes(int(K), [&](auto lanes) {
+      l2norm_rows_backward_kernel<In, true, decltype(lanes)::value>
+          <<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(a);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -241,8 +307,10 @@ inline at::Tensor l2norm_rows_backward(const at::Tensor& x_in, const at::Tensor&
     a.dx = reinterpret_cast<typename In::storage*>(dx.data_ptr());
     a.rows = rows;
     a.K = int(K);
-    l2norm_rows_backward_kernel<In, false>
-        <<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(a);
+    with_lanes(int(K), [&](auto lanes) {
+      l2norm_rows_backward_kernel<In, false, decltype(lanes)::value>
+          <<<unsigned(norm_blocks(rows)), kNormThreads, 0, stream>>>(a);
+    });
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return dx;

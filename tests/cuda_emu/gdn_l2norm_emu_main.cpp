@@ -26,8 +26,10 @@ using BF16 = BitsIo<Bits16::kBFloat16>;
 
 template <typename In, bool kFused>
 static void run_backward(const NormGrad<In, kFused>& a) {
-  emu::launch(unsigned(norm_blocks(a.rows)), kNormThreads, 0,
-              [&] { l2norm_rows_backward_kernel<In, kFused>(a); });
+  with_lanes(a.K, [&](auto lanes) {
+    emu::launch(unsigned(norm_blocks(a.rows)), kNormThreads, 0,
+                [&] { l2norm_rows_backward_kernel<In, kFused, decltype(lanes)::value>(a); });
+  });
 }
 
 static std::vector<float> widen(const std::vector<uint16_t>& b) {
@@ -49,12 +51,15 @@ int main(int argc, char** argv) {
   const unsigned blocks = unsigned(norm_blocks(rows));
 
   std::vector<float> y(n, NAN), rstd(size_t(rows), NAN);
-  emu::launch(blocks, kNormThreads, 0, [&] {
-    l2norm_rows_kernel<F32, F32>(x.data(), y.data(), rstd.data(), rows, K, eps);
-  });
   std::vector<uint16_t> yb(n, 0x7fc0);
-  emu::launch(blocks, kNormThreads, 0, [&] {
-    l2norm_rows_kernel<BF16, BF16>(xb.data(), yb.data(), nullptr, rows, K, eps);
+  with_lanes(K, [&](auto lanes) {
+    constexpr int kLanes = decltype(lanes)::value;
+    emu::launch(blocks, kNormThreads, 0, [&] {
+      l2norm_rows_kernel<F32, F32, kLanes>(x.data(), y.data(), rstd.data(), rows, K, eps);
+    });
+    emu::launch(blocks, kNormThreads, 0, [&] {
+      l2norm_rows_kernel<BF16, BF16, kLanes>(xb.data(), yb.data(), nullptr, rows, K, eps);
+    });
   });
 
   std::vector<float> dx_fused(n, NAN), dx_fused_b(n, NAN), dx(n, NAN);
