@@ -3,10 +3,10 @@ rlx_torch.gated_delta_rule against fla's Triton kernels in one process, bf16 q/k
 g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_rule``) and
 per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
 taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
-and head forward, 3x that forward+backward. "rlx" is the token recurrence; for the per-head
-gate the chunked tensor-core kernels (RLX_CUDA_GATED_DELTA_CHUNKED=1 around forward and
-backward) are timed in the same turns; at the end, torch.profiler gives the CUDA time per
-kernel of both paths at the first shape. Needs RLX_CUDA_GATED_DELTA=1.
+and head forward, 3x that forward+backward. "rlx" is the token recurrence
+(RLX_CUDA_GATED_DELTA_CHUNKED=0 around forward and backward); for the per-head gate the
+chunked tensor-core kernels (the default there) are timed in the same turns; at the end,
+torch.profiler gives the CUDA time per kernel of both paths at the first shape.
 
 Run as a script (``python benchmarks/bench_gdn_cuda.py [--chunk-size 64 128]``) it times the
 chunked path through ``torch.ops.rlx.gated_delta_fwd`` / ``gated_delta_bwd`` directly (first
@@ -59,19 +59,19 @@ def ours(q, k, v, g, beta):
 
 
 def chunked(q, k, v, g, beta):
-    """rlx_torch on the chunked tensor-core kernels: rlx_path sets RLX_CUDA_GATED_DELTA_CHUNKED=1
-    around its forward and its backward (the ops read it at every call)."""
+    """rlx_torch on the chunked tensor-core kernels (the default for a per-head gate and 16-bit
+    inputs): rlx_path sets RLX_CUDA_GATED_DELTA_CHUNKED=1 around its forward and its backward
+    (the ops read it at every call)."""
     return ours(q, k, v, g, beta)
 
 
 @contextlib.contextmanager
 def rlx_path(fn):
-    """RLX_CUDA_GATED_DELTA_CHUNKED=1 while `chunked` (forward and backward) runs, unset while
-    any other fn runs, restored afterwards."""
+    """RLX_CUDA_GATED_DELTA_CHUNKED=1 while `chunked` (forward and backward) runs, 0 (the token
+    recurrence) while any other fn runs, restored afterwards."""
     key = "RLX_CUDA_GATED_DELTA_CHUNKED"
     saved = os.environ.pop(key, None)
-    if fn is chunked:
-        os.environ[key] = "1"
+    os.environ[key] = "1" if fn is chunked else "0"
     try:
         yield
     finally:
@@ -106,7 +106,7 @@ def kernel_profile(fn, B, T, H, K, V, per_channel, backward):
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
         if us > 0:
             rows.append((round(us / reps, 1), e.key[:90]))
-    return sorted(rows, reverse=True)[:12]
+    return sorted(rows, reverse=True)[:30]
 
 
 def theirs(fn):

@@ -1,8 +1,7 @@
 """rlx_torch: codebook matmul, gated delta rule and Muon for PyTorch.
 
-Native kernels on CPU and Apple Silicon (MPS); on CUDA for codebook matmul, and for the gated
-delta rule only with ``RLX_CUDA_GATED_DELTA=1`` set (opt-in). Muon is built from torch ops and
-runs on every device.
+Native kernels on CPU, Apple Silicon (MPS) and CUDA. Muon is built from torch ops and runs on
+every device.
 
 Example::
 

@@ -4,7 +4,6 @@ variant, dtype and T in {1, 63, 65, 1000}; varlen against per-sequence runs, GVA
 q/k, gradcheck in float64, opcheck, torch.compile, determinism, the layer, the model and the demo;
 fla's own kernels where fla can be imported. Needs a GPU: skips cleanly without one."""
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +19,6 @@ from rlx_torch.ops.gated_delta import unpack_gradients
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 CUDA = torch.device("cuda")
-# The CUDA kernels are opt-in until this module passes on a GPU (csrc/cuda/gated_delta_cuda.cuh).
-os.environ["RLX_CUDA_GATED_DELTA"] = "1"
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 # Relative RMS error against the float64 reference, per input dtype (outputs and gradients).
 TOL = {torch.float64: 1e-10, torch.float32: 5e-5, torch.float16: 5e-3, torch.bfloat16: 3e-2}
@@ -191,12 +188,13 @@ CHUNKED_CASES = {  # per-head gate, 16-bit inputs: the chunked tensor-core forwa
 @pytest.mark.parametrize("case", CHUNKED_CASES)
 def test_chunked_forward_matches_token_recurrence(case, dtype, monkeypatch):
     """The chunked forward and backward (16-bit products, float32 state;
-    RLX_CUDA_GATED_DELTA_CHUNKED=1) against the token recurrence (float32 throughout) on the
-    same inputs."""
+    the default) against the token recurrence (float32 throughout;
+    RLX_CUDA_GATED_DELTA_CHUNKED=0) on the same inputs."""
     l2, kw = _split(CHUNKED_CASES[case])
     chunk_size = kw.pop("chunk_size", 64)
     inputs = to(make_inputs(dtype=dtype, **kw), CUDA)
     cot = cotangents(inputs)
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "0")
     token = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
     monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
     chunked = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2, chunk_size=chunk_size)
@@ -327,8 +325,7 @@ def test_noncontiguous_empty_and_cpu_cu_seqlens():
 @pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
                                                      (True, False)])
 def test_deterministic_bitwise(per_channel, chunked, monkeypatch):
-    if chunked:
-        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if chunked else "0")
     inputs = to(make_inputs(B=2, T=300, H=2, HV=4, K=64, V=96, per_channel=per_channel,
                             state=True, dtype=torch.bfloat16), CUDA)
     cot = cotangents(inputs)
@@ -512,8 +509,7 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008,
 @pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
                                                      (True, False)])
 def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
-    if chunked:
-        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if chunked else "0")
     chunk_gdn, chunk_kda = _fla()
     if per_channel and chunk_kda is None:
         pytest.skip("this fla has no KDA kernel")
@@ -582,9 +578,24 @@ def _fla_child(src, dst, per_channel):
     torch.save({n: t.detach().cpu() for n, t in out.items()}, dst)
 
 
-def test_without_the_opt_in_the_cuda_kernels_raise(monkeypatch):
-    monkeypatch.delenv("RLX_CUDA_GATED_DELTA")
-    x = make_inputs()
-    q, k, v, g, beta = (x[n].to(CUDA) for n in ("q", "k", "v", "g", "beta"))
-    with pytest.raises(NotImplementedError, match="RLX_CUDA_GATED_DELTA=1"):
-        rlx_torch.gated_delta_rule(q, k, v, g, beta)
+def test_chunked_kernels_are_the_default_and_the_token_path_is_selectable(monkeypatch):
+    """With nothing set, 16-bit inputs with a per-head gate take the chunked kernels (bitwise
+    equal to RLX_CUDA_GATED_DELTA_CHUNKED=1, not to the token recurrence that =0 selects); both
+    paths match the float64 reference."""
+    inputs = to(make_inputs(B=2, T=130, H=2, HV=2, K=64, V=48, state=True,
+                            dtype=torch.bfloat16), CUDA)
+    cot = cotangents(inputs)
+    runs = {}
+    for flag in (None, "1", "0"):
+        if flag is None:
+            monkeypatch.delenv("RLX_CUDA_GATED_DELTA_CHUNKED", raising=False)
+        else:
+            monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", flag)
+        runs[flag] = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, True)
+    for name, t in runs[None].items():
+        assert torch.equal(t, runs["1"][name]), name
+    assert not torch.equal(runs[None]["o"], runs["0"]["o"])
+    assert not torch.equal(runs[None]["dk"], runs["0"]["dk"])
+    ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot, True)
+    compare(runs[None], ref, TOL[torch.bfloat16], "default (chunked) path")
+    compare(runs["0"], ref, TOL[torch.bfloat16], "token path")

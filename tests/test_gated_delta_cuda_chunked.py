@@ -1,9 +1,9 @@
-"""The chunked CUDA gated delta backward (csrc/cuda/gated_delta_chunk_bwd*.cuh, taken with
-RLX_CUDA_GATED_DELTA_CHUNKED=1 for a per-head gate and 16-bit inputs): against the token
-backward on the same forward outputs and the float64 reference, on T < 64, T = 64, T not a
-multiple of 64, ragged K and V, GVA with varlen and an empty sequence, g = -30, an initial
-state and chunk_size 128; and bitwise determinism. Needs a GPU: skips cleanly without one.
-(The chunked forward's tests, which now also run this backward, are in
+"""The chunked CUDA gated delta backward (csrc/cuda/gated_delta_chunk_bwd*.cuh, the default
+for a per-head gate and 16-bit inputs; RLX_CUDA_GATED_DELTA_CHUNKED=0 selects the token
+backward): against the token backward on the same forward outputs and the float64 reference,
+on T < 64, T = 64, T not a multiple of 64, ragged K and V, GVA with varlen and an empty
+sequence, g = -30, an initial state and chunk_size 128; and bitwise determinism. Needs a GPU:
+skips cleanly without one. (The chunked forward's tests, which also run this backward, are in
 test_gated_delta_cuda.py.)"""
 
 import pytest
@@ -49,10 +49,7 @@ def _op_grads(inputs, cot, chunk_size, l2, forward_chunked, backward_chunked, mo
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3, x["initial_state"], x["cu_seqlens"])
 
     def chunked(on):
-        if on:
-            monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
-        else:
-            monkeypatch.delenv("RLX_CUDA_GATED_DELTA_CHUNKED", raising=False)
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if on else "0")
 
     chunked(forward_chunked)
     o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(*args, chunk_size, eps)
@@ -67,7 +64,7 @@ def _op_grads(inputs, cot, chunk_size, l2, forward_chunked, backward_chunked, mo
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", CHUNKED_BWD_CASES)
 def test_chunked_backward_matches_token_backward_and_reference(case, dtype, monkeypatch):
-    """The chunked backward (RLX_CUDA_GATED_DELTA_CHUNKED=1) against the token backward on the
+    """The chunked backward against the token backward on the
     same forward outputs (the token forward's), and the chunked forward + backward against the
     float64 reference."""
     l2, kw = _split(CHUNKED_BWD_CASES[case])

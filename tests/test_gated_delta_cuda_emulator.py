@@ -192,7 +192,11 @@ CHUNK_BWD_CASES = {
     "strong_decay_varlen": dict(B=1, T=200, H=1, HV=1, K=8, V=8, state=True, g_scale=30.0,
                                 cu=[0, 30, 30, 200]),
     "T1_batch": dict(B=4, T=1, H=1, HV=1, K=4, V=4, state=True),
+    # the fused q/k L2 norm: wy_kernel<.., true> finishes dq and dk with its backward
+    "l2norm_two_k_tiles": dict(B=1, T=130, H=1, HV=1, K=72, V=40, state=True, l2norm=True),
+    "l2norm_K128_two_heads": dict(B=2, T=70, H=2, HV=2, K=128, V=24, l2norm=True),
 }
+L2NORM_EPS = 1e-6
 
 
 def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
@@ -201,7 +205,8 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
     bf = lambda t: t.bfloat16().float()  # noqa: E731
     tokens = B * T
     q = bf(torch.randn(tokens, H, K, generator=gen))
-    k = bf(F.normalize(torch.randn(tokens, H, K, generator=gen), dim=-1))
+    k = torch.randn(tokens, H, K, generator=gen)
+    k = bf(k if c["l2norm"] else F.normalize(k, dim=-1))  # (raw rows with the l2norm)
     v = bf(torch.randn(tokens, HV, V, generator=gen))
     g = F.logsigmoid(torch.randn(tokens, HV, generator=gen) + 2.0)
     if c["g_scale"] is not None:  # down to -g_scale per step: exp of cumsums would overflow
@@ -220,11 +225,13 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
     # warps one at a time between barriers (cuda_shim.h): a missing barrier shows
     env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",
                **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}),
-               **({"RLX_EMU_RERUN_STATE": "1"} if rerun_state else {}))
+               **({"RLX_EMU_RERUN_STATE": "1"} if rerun_state else {}),
+               **({"RLX_EMU_L2NORM_EPS": str(L2NORM_EPS)} if c["l2norm"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
-    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, dht=dht, bounds=bounds)
+    inputs = dict(q=q, k=k, v=v, g=g, beta=beta, h0=h0, do=do, dht=dht, bounds=bounds,
+                  l2norm=c["l2norm"])
     shapes = dict(dq=q.shape, dk=k.shape, dv=v.shape, dg=g.shape, dbeta=beta.shape)
     if h0 is not None:
         shapes["dh0"] = h0.shape
@@ -232,7 +239,7 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
 
 
 def _chunk_bwd_case(case):
-    c = dict(state=False, dht=True, cu=None, narrow=False, g_scale=None)
+    c = dict(state=False, dht=True, cu=None, narrow=False, g_scale=None, l2norm=False)
     c.update(CHUNK_BWD_CASES[case])
     return c
 
@@ -248,13 +255,18 @@ def test_emulated_chunked_backward_matches_float64(case, rerun_state, chunk_bwd_
     """The chunked backward (its kernels after the forward's and the re-run prep kernel; S0
     and u from the forward's checkpoints and vw, or from a re-run state kernel; bf16 products
     as on the GPU for bf16 inputs) against autograd through a float64 token recurrence of the
-    same bf16-rounded inputs: every gradient, with an initial state dh0."""
+    same bf16-rounded inputs: every gradient, with an initial state dh0. With the l2norm, q and
+    k are raw rows, normalized in the reference's graph (float64) and by the emulation's host
+    code (float32, rounded to bf16 as the kernels read them)."""
     x, got = _run_chunk_bwd(chunk_bwd_emulator, _chunk_bwd_case(case), tmp_path,
                             rerun_state=rerun_state)
     leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
     if x["h0"] is not None:
         leaves["h0"] = x["h0"].double().requires_grad_()
-    o, ht = _recurrence_f64(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), leaves.get("h0"),
+    q, k = leaves["q"], leaves["k"]
+    if x["l2norm"]:
+        q, k = (t * torch.rsqrt((t * t).sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
+    o, ht = _recurrence_f64(q, k, leaves["v"], leaves["g"], leaves["beta"], leaves.get("h0"),
                             0.3, x["bounds"])
     loss = (o * x["do"].double()).sum()
     if x["dht"] is not None:

@@ -356,12 +356,18 @@ def test_hub_wrapper_without_its_name_is_recognised():
     assert rlx_hf._hub_name(functools.wraps(torch_chunk_gated_delta_rule)(lambda: 0)) is None
 
 
-def test_cuda_tensors_go_to_transformers_unless_the_cuda_kernels_are_switched_on(monkeypatch):
-    """The CUDA gated delta kernels are opt-in (RLX_CUDA_GATED_DELTA=1): without the switch a
-    CUDA build's op raises, so the replacements must hand CUDA tensors to transformers."""
-    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", lambda op, key: True)
-    monkeypatch.delenv("RLX_CUDA_GATED_DELTA", raising=False)
-    assert not rlx_hf._has_kernel(torch.device("cuda"))
-    assert rlx_hf._has_kernel(torch.device("cpu"))
-    monkeypatch.setenv("RLX_CUDA_GATED_DELTA", "1")
+def test_tensors_go_to_transformers_where_the_build_has_no_kernel(monkeypatch):
+    """The replacements take a device exactly when the build registered rlx::gated_delta_fwd
+    for its dispatch key (CUDA in a CUDA build); others go to transformers' implementation."""
+    asked = []
+
+    def registered(op, key):
+        asked.append((op, key))
+        return key in ("CPU", "CUDA")
+
+    monkeypatch.setattr(torch._C, "_dispatch_has_kernel_for_dispatch_key", registered)
     assert rlx_hf._has_kernel(torch.device("cuda"))
+    assert rlx_hf._has_kernel(torch.device("cpu"))
+    assert not rlx_hf._has_kernel(torch.device("mps"))
+    assert not rlx_hf._has_kernel(torch.device("meta"))
+    assert ("rlx::gated_delta_fwd", "CUDA") in asked

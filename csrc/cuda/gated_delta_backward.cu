@@ -207,7 +207,12 @@ void launch_dh_tiles(const ChunkBwdArgs& B, int64_t num_seqs, bool narrow, cudaS
 // W' and T'; u and the chunk states come from the forward's vw and checkpoints where those
 // are every 64 tokens (from_forward_kernel), else from a re-run of its state kernel; then
 // dv_local, dh, dqk and wy. dv, dg, dbeta and dh0 go straight into the packed buffer; dq and
-// dk per value head into dq_hv, dk_hv.
+// dk per value head into dq_hv, dk_hv. With raw rows (the fused l2norm, one value head per q/k
+// head), wy_kernel finishes them with the l2norm backward: the raw rows' gradients.
+struct RawRows {
+  at::Tensor q, k, q_rstd, k_rstd;  // undefined: no l2norm backward in wy_kernel
+};
+
 template <Bits16 kind>
 void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, const at::Tensor& q,
                       const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
@@ -215,7 +220,7 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
                       const at::Tensor& dout, const std::optional<at::Tensor>& dht,
                       const at::Tensor& vw, const at::Tensor& ckpt,
                       const GdnBackwardLayout& layout, at::Tensor& packed, at::Tensor& dq_hv,
-                      at::Tensor& dk_hv, cudaStream_t stream) {
+                      at::Tensor& dk_hv, const RawRows& raw, cudaStream_t stream) {
   const int64_t N = p.num_seqs, HV = p.num_v_heads, tokens = p.tokens();
   const bool states_kept = p.chunk == kChunk;  // the checkpoints are the 64-token chunk states
   ChunkBwdArgs B;
@@ -265,7 +270,15 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
     launch_dh_tiles<kind, 2>(B, N, narrow, stream);
   }
   launch_chunk_parallel(dqk_kernel<kind>, chunks * HV * (KP / kBwdTile), dqk_smem(), B, stream);
-  launch_chunk_parallel(wy_kernel<kind>, chunks * HV, wy_smem(), B, stream);
+  if (raw.q.defined()) {
+    B.q_raw = bits_of(raw.q);
+    B.k_raw = bits_of(raw.k);
+    B.q_rstd = raw.q_rstd.data_ptr<float>();
+    B.k_rstd = raw.k_rstd.data_ptr<float>();
+    launch_chunk_parallel(wy_kernel<kind, true>, chunks * HV, wy_smem(), B, stream);
+  } else {
+    launch_chunk_parallel(wy_kernel<kind>, chunks * HV, wy_smem(), B, stream);
+  }
 }
 
 // The checkpoints' tag (gdn_checks.h), read from device memory: one 4-byte copy to the host.
@@ -290,7 +303,6 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
                                 int64_t chunk_size, std::optional<double> l2norm_eps,
                                 const std::optional<at::Tensor>& vw) {
   const char* op = "rlx::gated_delta_bwd";
-  require_opt_in(op);
   gdn_check_l2norm_eps(op, l2norm_eps);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
@@ -307,11 +319,19 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   // GPU tests have not yet finished a run (the forward's have).
   const bool chunked = chunked_applies(p) && p.head_k_dim <= 128 && p.head_v_dim <= 128 &&
                        vw.has_value() && vw->numel() > 0;
+  // the chunked kernels' dq and dk go straight into the packed buffer when there is nothing
+  // to add (one value head per q/k head); wy_kernel then also applies the l2norm backward
+  const bool direct_dqk = chunked && p.group() == 1;
+  const bool fused_l2norm = direct_dqk && l2norm_eps.has_value();
   const at::Tensor q_raw = q_in.contiguous(), k_raw = k_in.contiguous();
   at::Tensor q = q_raw, k = k_raw;  // normalized when l2norm_eps is given
+  RawRows raw;
   if (l2norm_eps.has_value()) {
-    q = l2norm_rows(q_raw, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
-    k = l2norm_rows(k_raw, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
+    auto [qn, q_rstd] = l2norm_rows(q_raw, *l2norm_eps, /*out_acc=*/!chunked, fused_l2norm);
+    auto [kn, k_rstd] = l2norm_rows(k_raw, *l2norm_eps, /*out_acc=*/!chunked, fused_l2norm);
+    q = qn;
+    k = kn;
+    if (fused_l2norm) raw = RawRows{q_raw, k_raw, q_rstd, k_rstd};
   }
   const at::Tensor v = v_in.contiguous(), g = g_in.contiguous(), beta = beta_in.contiguous();
   const at::Tensor ckpt = checkpoints.contiguous(), dout = grad_o_in.contiguous();
@@ -330,9 +350,6 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   auto slice = [&](const GdnSlice& sl) { return packed.narrow(0, sl.offset, sl.numel); };
   const int64_t tokens = p.tokens();
   const int64_t nvt = chunked ? 1 : ceil_div(V, kCols);  // (chunked: dq, dk per value head)
-  // the chunked kernels' dq and dk go straight into the packed buffer when there is nothing
-  // to add (one value head per q/k head, no l2norm backward)
-  const bool direct_dqk = chunked && G == 1 && !l2norm_eps.has_value();
   at::Tensor dq_part = direct_dqk ? slice(layout.dq).view({1, tokens, H, 1, K})
                                   : at::empty({nvt, tokens, H, G, K}, acc_opts);
   at::Tensor dk_part = direct_dqk ? slice(layout.dk).view({1, tokens, H, 1, K})
@@ -341,10 +358,11 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor vwc = vw->contiguous();
     if (p.input_dtype == at::kBFloat16) {
       chunked_backward<Bits16::kBFloat16>(p, cu, scale, q, k, v, g, beta, h0, dout, dht,
-                                          vwc, ckpt, layout, packed, dq_part, dk_part, stream);
+                                          vwc, ckpt, layout, packed, dq_part, dk_part, raw,
+                                          stream);
     } else {
       chunked_backward<Bits16::kHalf>(p, cu, scale, q, k, v, g, beta, h0, dout, dht, vwc,
-                                      ckpt, layout, packed, dq_part, dk_part, stream);
+                                      ckpt, layout, packed, dq_part, dk_part, raw, stream);
     }
   } else {
     at::Tensor dg_part = at::empty({nvt, tokens, HV, K}, acc_opts);
@@ -409,7 +427,7 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   const at::IntArrayRef tiles_group(tiles_group_dims);
   at::Tensor dq = slice(layout.dq).view({tokens, H, K});
   at::Tensor dk = slice(layout.dk).view({tokens, H, K});
-  if (l2norm_eps.has_value()) {  // the sums and the l2norm backward in one kernel each
+  if (l2norm_eps.has_value() && !fused_l2norm) {  // the sums and the l2norm backward
     l2norm_rows_backward_fused(q_raw, dq_part, *l2norm_eps, dq);
     l2norm_rows_backward_fused(k_raw, dk_part, *l2norm_eps, dk);
   } else if (!direct_dqk) {

@@ -53,6 +53,12 @@ struct ChunkBwdArgs {
   int dbeta_tiles = 0;
   float* dg_part = nullptr;        // [KP / 64, tokens, HV] dqk_kernel's part of dL/dG
   float *dq = nullptr, *dk = nullptr;  // [tokens, HV, K]: per value head (summed on the host)
+  // The fused q/k L2 norm with one value head per q/k head: the raw rows [tokens, H, K] (f.q,
+  // f.k are the normalized ones) and their factors r [tokens, H]; wy_kernel<.., true> then
+  // applies the l2norm backward to the rows of dq and dk it completes, so dq and dk are the
+  // raw rows' gradients.
+  const uint16_t *q_raw = nullptr, *k_raw = nullptr;
+  const float *q_rstd = nullptr, *k_rstd = nullptr;
   float *dv = nullptr, *dg = nullptr, *dbeta = nullptr, *dh0 = nullptr;  // packed slices
 };
 

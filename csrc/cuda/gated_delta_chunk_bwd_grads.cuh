@@ -5,7 +5,11 @@
 //               their part of dL/dG (with e^(G_last) <dS, S0>)
 //   wy_kernel   per (chunk, value head): the C x C algebra (dP, dT', dM through T'), then dq,
 //               dk's other terms, dv, and dg (reverse cumulative sum of dL/dG) and dbeta
-// dq and dk are per value head ([tokens, HV, K]); the host adds a GVA group's heads.
+// dq and dk are per value head ([tokens, HV, K]); the host adds a GVA group's heads. Where
+// each q/k head has one value head, wy_kernel<kind, true> also applies the fused q/k L2
+// norm's backward, dx = r (dy - y (y . dy)) with y = x r, r = (sum x^2 + eps)^-1/2 of the raw
+// row x: a block holds whole rows of dq and dk once it has added its terms, so no separate
+// pass over them (float32 [tokens, H, K] each, read and written again) is needed.
 #pragma once
 
 #include "gated_delta_chunk_bwd.cuh"
@@ -143,7 +147,7 @@ __device__ __forceinline__ void warp_col_sums(const float (&v)[8][2], float* dst
 // C x C matrices (dP o (Q K^T) + dL o L, dM o L) are summed from the accumulators as they
 // come: per lane, then across the lanes of a row (rows) or through shared memory per warp
 // (columns), in a fixed order.
-template <Bits16 kind>
+template <Bits16 kind, bool kL2norm = false>
 __global__ void __launch_bounds__(kChunkThreads, 3) wy_kernel(const ChunkBwdArgs B) {
   const ChunkArgs& A = B.f;
   const Dims<float>& d = A.d;
@@ -287,6 +291,8 @@ __global__ void __launch_bounds__(kChunkThreads, 3) wy_kernel(const ChunkBwdArgs
   }
   // dq += dP K;  dk += dP^T Q + (dA + dA^T) K + e^G o (T'^T dW')
   float rk[2] = {0.f, 0.f};
+  // kL2norm: this lane's parts of sum x dy of its two rows (r / 2), q and k
+  float qxy[2] = {0.f, 0.f}, kxy[2] = {0.f, 0.f};
   for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
     const int k_ok = max(0, min(kBwdTile, d.K - k0));
     __syncthreads();
@@ -302,7 +308,14 @@ __global__ void __launch_bounds__(kChunkThreads, 3) wy_kernel(const ChunkBwdArgs
 #pragma unroll
         for (int r = 0; r < 4; ++r) {
           const int i = acc_row(m0, r, lane), c = k0 + acc_col(nt, r, lane);
-          if (i < len && c < d.K) B.dq[((e.t0 + i) * d.HV + hv) * d.K + c] += aq[nt][r];
+          if (i < len && c < d.K) {
+            const int64_t at = ((e.t0 + i) * d.HV + hv) * d.K + c;
+            const float dy = B.dq[at] + aq[nt][r];
+            B.dq[at] = dy;
+            if constexpr (kL2norm) {
+              qxy[r / 2] += bits_to_float<kind>(B.q_raw[(e.t0 + i) * qk_stride + h * d.K + c]) * dy;
+            }
+          }
         }
     }
     float ak[8][4] = {}, akg[8][4] = {};
@@ -318,9 +331,44 @@ __global__ void __launch_bounds__(kChunkThreads, 3) wy_kernel(const ChunkBwdArgs
         const float eg = exp(sG[i]);
         rk[r / 2] += eg * bf_at<kind>(s1, i * ld + cl) * akg[nt][r];
         if (i < len && c < d.K) {
-          B.dk[((e.t0 + i) * d.HV + hv) * d.K + c] += ak[nt][r] + eg * akg[nt][r];
+          const int64_t at = ((e.t0 + i) * d.HV + hv) * d.K + c;
+          const float dy = B.dk[at] + (ak[nt][r] + eg * akg[nt][r]);
+          B.dk[at] = dy;
+          if constexpr (kL2norm) {
+            kxy[r / 2] += bits_to_float<kind>(B.k_raw[(e.t0 + i) * qk_stride + h * d.K + c]) * dy;
+          }
         }
       }
+  }
+  if constexpr (kL2norm) {
+    // y . dy = r sum x dy (quad sums: the 4 lanes of a row, in order), then
+    // dx = r dy - x r^2 (y . dy), in place: each element is rewritten by the thread that wrote
+    // it above
+    float rq[2], sq[2], rkk[2], sk[2];
+#pragma unroll
+    for (int r2 = 0; r2 < 2; ++r2) {
+      const int i = min(acc_row(m0, 2 * r2, lane), len - 1);
+      const int64_t row = (e.t0 + i) * d.H + h;
+      rq[r2] = B.q_rstd[row];
+      rkk[r2] = B.k_rstd[row];
+      sq[r2] = rq[r2] * rq[r2] * rq[r2] * quad_sum(qxy[r2]);
+      sk[r2] = rkk[r2] * rkk[r2] * rkk[r2] * quad_sum(kxy[r2]);
+    }
+    for (int k0 = 0; k0 < KP; k0 += kBwdTile) {
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int i = acc_row(m0, r, lane), c = k0 + acc_col(nt, r, lane);
+          if (i >= len || c >= d.K) continue;
+          const int64_t at = ((e.t0 + i) * d.HV + hv) * d.K + c;
+          const int64_t xat = (e.t0 + i) * qk_stride + h * d.K + c;
+          const float xq = bits_to_float<kind>(B.q_raw[xat]);
+          const float xk = bits_to_float<kind>(B.k_raw[xat]);
+          B.dq[at] = rq[r / 2] * B.dq[at] - xq * sq[r / 2];
+          B.dk[at] = rkk[r / 2] * B.dk[at] - xk * sk[r / 2];
+        }
+    }
   }
 #pragma unroll
   for (int r2 = 0; r2 < 2; ++r2) {

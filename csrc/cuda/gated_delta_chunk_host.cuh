@@ -4,6 +4,7 @@
 #pragma once
 
 #ifndef RLX_CUDA_EMULATION
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -15,13 +16,12 @@ namespace rlx::gdn::cuda {
 
 // The chunked kernels take one gate per head, 16-bit inputs (their products run on 16-bit
 // operands), K, V <= 256 and checkpoints every multiple of 64 tokens (the states they keep
-// are those at 64-token chunk starts). Opt-in, with RLX_CUDA_GATED_DELTA_CHUNKED=1, for the
-// forward and the backward alike (see docs/cuda.md): the forward has passed its tests on an
-// H200, but the chunked backward has so far run only in the CPU emulation
-// (tests/test_gated_delta_cuda_emulator.py), not on a GPU.
+// are those at 64-token chunk starts). They are the default wherever they apply;
+// RLX_CUDA_GATED_DELTA_CHUNKED=0 selects the token recurrence instead, for the forward and the
+// backward alike (the tests and bench_gdn_cuda.py compare the two paths that way).
 inline bool chunked_applies(const GdnProblem& p) {
   const char* flag = std::getenv("RLX_CUDA_GATED_DELTA_CHUNKED");
-  if (flag == nullptr || flag[0] != '1') return false;
+  if (flag != nullptr && flag[0] == '0' && flag[1] == '\0') return false;
   const bool bits16 = p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16;
   return bits16 && !p.gate_per_channel && p.head_k_dim <= 256 && p.head_v_dim <= 256 &&
          p.chunk % kChunk == 0;

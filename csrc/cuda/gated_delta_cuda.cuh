@@ -37,7 +37,6 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include <cstdlib>
 #include <optional>
 #include <vector>
 
@@ -299,19 +298,6 @@ __device__ __forceinline__ void store_tile(const acc_t (&S)[kRows], acc_t* dst,
     if (r < d.K && b.col < d.V) dst[int64_t(r) * d.V + b.col] = S[ii];
   }
 }
-
-#ifndef RLX_CUDA_EMULATION
-// The CUDA gated delta kernels are opt-in until their test module has passed on a GPU: a run
-// of tests/test_gated_delta_cuda.py on an H200 left failures that were not yet identified, and
-// an unverified kernel must not give a user a silently wrong answer.
-inline void require_opt_in(const char* op) {
-  const char* flag = std::getenv("RLX_CUDA_GATED_DELTA");
-  TORCH_CHECK_NOT_IMPLEMENTED(
-      flag != nullptr && flag[0] == '1' && flag[1] == '\0', op,
-      ": the CUDA gated delta rule is experimental (not yet verified on a GPU; see docs/cuda.md). "
-      "Set RLX_CUDA_GATED_DELTA=1 to use it anyway, or run the model on the CPU.");
-}
-#endif
 
 #ifndef RLX_CUDA_EMULATION
 template <typename acc_t>

@@ -138,7 +138,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& cu_seqlens,
     int64_t chunk_size, std::optional<double> l2norm_eps) {
   const char* op = "rlx::gated_delta_fwd";
-  require_opt_in(op);
   const GdnProblem p =
       gdn_check_inputs(op, q_in, k_in, v_in, g_in, beta_in, initial_state, cu_seqlens, chunk_size);
   gdn_check_l2norm_eps(op, l2norm_eps);

@@ -36,9 +36,8 @@ What the replacements do:
   shifted products (its backward is elementwise, unlike ``F.conv1d``'s depthwise backward);
   with ``cu_seq_lens_q`` / ``cu_seqlens`` / ``seq_idx`` no output reads another sequence's
   inputs (transformers' fallback convolves across the boundaries).
-- Tensors on a device without rlx kernels go to the implementation transformers chose,
-  unchanged. On CUDA that is the case unless ``RLX_CUDA_GATED_DELTA=1`` is set (the CUDA
-  gated delta kernels are opt-in, see docs/cuda.md) or the build has no CUDA kernels.
+- Tensors on a device without rlx kernels (CUDA in a build without CUDA kernels, say) go to
+  the implementation transformers chose, unchanged.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ from __future__ import annotations
 import functools
 import importlib
 import inspect
-import os
 import sys
 from collections.abc import Callable
 
@@ -94,8 +92,6 @@ def _hub_name(obj) -> str | None:
 
 def _has_kernel(device: torch.device) -> bool:
     key = {"cpu": "CPU", "mps": "MPS", "cuda": "CUDA"}.get(device.type)
-    if key == "CUDA" and os.environ.get("RLX_CUDA_GATED_DELTA") != "1":
-        return False  # the CUDA kernels are opt-in; without the switch the op raises
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
         "rlx::gated_delta_fwd", key)
 

@@ -8,6 +8,9 @@
 //   gdn_chunk_bwd_emu DIR B T H HV K V has_h0 has_dht scale N cu_0 .. cu_N
 // reads DIR/{q,k,v,g,beta,do,h0,dht}.bin (float32; h0, dht only when given), writes
 // DIR/{dq,dk,dv,dg,dbeta,dh0}.bin (dh0 with has_h0). RLX_EMU_NARROW: 16-column dh tiles.
+// RLX_EMU_L2NORM_EPS=eps (H = HV): q and k are raw rows, L2-normalized here as the host code's
+// l2norm kernel does (float32, written in bf16) for every kernel, and wy_kernel<.., true>
+// applies the l2norm backward: dq and dk are the raw rows' gradients.
 #include "cuda_shim.h"
 
 #define RLX_CUDA_EMULATION 1
@@ -93,7 +96,30 @@ int main(int argc, char** argv) {
   std::vector<float> dbeta_part(size_t(VP / 16) * th, NAN), dg_part(size_t(KP / 64) * th, NAN);
   std::vector<float> dq_hv(size_t(tokens * HV * K), NAN), dk_hv(dq_hv.size(), NAN);
   std::vector<float> dv(vv, NAN), dg(th, NAN), dbeta(th, NAN), dh0(has_h0 ? sn : 0, NAN);
-  const std::vector<uint16_t> qb = emu::to_bf16(q), kb = emu::to_bf16(k), vb = emu::to_bf16(v);
+  const char* l2_env = std::getenv("RLX_EMU_L2NORM_EPS");
+  const bool l2norm = l2_env != nullptr;
+  const float l2_eps = l2norm ? float(std::atof(l2_env)) : 0.f;
+  if (l2norm && H != HV) {
+    std::fprintf(stderr, "the fused l2norm backward takes H = HV\n");
+    return 2;
+  }
+  const std::vector<uint16_t> q_raw = emu::to_bf16(q), k_raw = emu::to_bf16(k);
+  std::vector<float> q_rstd(size_t(tokens * H)), k_rstd(q_rstd.size());
+  auto normalized = [&](const std::vector<uint16_t>& x, std::vector<float>& rstd) {
+    std::vector<uint16_t> y(x);
+    for (size_t row = 0; l2norm && row < x.size() / size_t(K); ++row) {
+      const uint16_t* xr = x.data() + row * size_t(K);
+      float s = 0.f;
+      for (int64_t c = 0; c < K; ++c) s += bits_to_float<kBf>(xr[c]) * bits_to_float<kBf>(xr[c]);
+      const float r = rstd[row] = 1.f / std::sqrt(s + l2_eps);
+      for (int64_t c = 0; c < K; ++c) {
+        y[row * size_t(K) + c] = emu::float_to_bf16(bits_to_float<kBf>(xr[c]) * r);
+      }
+    }
+    return y;
+  };
+  const std::vector<uint16_t> qb = normalized(q_raw, q_rstd), kb = normalized(k_raw, k_rstd);
+  const std::vector<uint16_t> vb = emu::to_bf16(v);
   const std::vector<uint16_t> dob = emu::to_bf16(dout);
   ChunkBwdArgs B;
   ChunkArgs& A = B.f;
@@ -154,7 +180,13 @@ int main(int argc, char** argv) {
   }
   emu::launch(nch * unsigned(HV * (KP / kBwdTile)), kChunkThreads, dqk_smem(),
               [&] { dqk_kernel<kBf>(B); });
-  emu::launch(nch * unsigned(HV), kChunkThreads, wy_smem(), [&] { wy_kernel<kBf>(B); });
+  if (l2norm) {
+    B.q_raw = q_raw.data(), B.k_raw = k_raw.data();
+    B.q_rstd = q_rstd.data(), B.k_rstd = k_rstd.data();
+    emu::launch(nch * unsigned(HV), kChunkThreads, wy_smem(), [&] { wy_kernel<kBf, true>(B); });
+  } else {
+    emu::launch(nch * unsigned(HV), kChunkThreads, wy_smem(), [&] { wy_kernel<kBf>(B); });
+  }
   // a GVA group's value heads, in order (the host code's at::sum)
   std::vector<float> dq(qk, 0.f), dk(qk, 0.f);
   for (int64_t t = 0; t < tokens; ++t)
