@@ -97,6 +97,8 @@ def main():
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: "
                         "torch's own choice)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--gate", choices=["head", "channel", "both"], default="both",
+                        help="cuda: per-head gate, per-channel gate (KDA) or both")
     args = parser.parse_args()
     if args.device == "cuda":
         from bench_gdn_cuda import main_cuda  # the CUDA side (fla, CUDA events)

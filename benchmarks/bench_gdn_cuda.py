@@ -151,7 +151,7 @@ def main_cuda(args):
     print(f"torch {torch.__version__}, {name}, fla {fla['version'] if fla else 'n/a'}")
     shapes = SHAPES[:1] if args.quick else SHAPES
     results = []
-    for gate in ("head", "channel"):
+    for gate in ("head", "channel") if args.gate == "both" else (args.gate,):
         for B, T, H, K, V in shapes:
             for mode, backward in (("fwd", False), ("fwd+bwd", True)):
                 inputs = make_inputs(B, T, H, K, V, gate == "channel", backward)
