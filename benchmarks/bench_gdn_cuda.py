@@ -166,12 +166,16 @@ def main_cuda(args):
                            rlx_ms=round(t_ours, 3), fla_ms=round(t_fla, 3) if t_fla else None,
                            ratio=round(t_ours / t_fla, 2) if t_fla else None,
                            chunked_ms=round(t_chunked, 3) if t_chunked else None,
+                           chunked_ratio=(round(t_chunked / t_fla, 2)
+                                          if t_chunked and t_fla else None),
                            rlx_tflops=round(flops / t_ours / 1e9, 2),
                            fla_tflops=round(flops / t_fla / 1e9, 2) if t_fla else None)
                 results.append(row)
                 fla_text = (f"fla {t_fla:8.3f} ms ({row['fla_tflops']:.2f} TFLOP/s)  "
                             f"rlx/fla {row['ratio']:.2f}x" if t_fla else "fla n/a")
                 token_text = f"  rlx chunked {t_chunked:8.3f} ms" if t_chunked else ""
+                if row["chunked_ratio"]:
+                    token_text += f" (chunked/fla {row['chunked_ratio']:.2f}x)"
                 print(f"{gate:7s} {mode:8s} B={B} T={T} H={H} K={K} V={V}  rlx {t_ours:8.3f} ms "
                       f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}{token_text}", flush=True)
                 del inputs

@@ -1,5 +1,5 @@
 // rlx::gated_delta_bwd on CUDA: the chunked tensor-core formulation (gated_delta_chunk_bwd.cuh)
-// where it applies (chunked_applies: opt-in), else the token recurrence (gated_delta_cuda.cuh).
+// where it applies (chunked_applies), else the token recurrence (gated_delta_cuda.cuh).
 // Writes the packed gradient buffer of gdn_backward_layout.h.
 #ifndef RLX_CUDA_EMULATION
 #include <ATen/ATen.h>
