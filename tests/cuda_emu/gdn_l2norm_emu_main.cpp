@@ -63,30 +63,23 @@ int main(int argc, char** argv) {
   });
 
   std::vector<float> dx_fused(n, NAN), dx_fused_b(n, NAN), dx(n, NAN);
-  NormGrad<F32, true> f;
-  f.x = x.data();
-  f.dy = dy.data();
-  f.rstd = nullptr;
-  f.dx = dx_fused.data();
-  f.rows = rows;
-  f.K = K;
-  f.parts = parts;
-  f.group = group;
-  f.part_stride = int64_t(n) * group;
-  f.eps = eps;
-  run_backward(f);
-  NormGrad<BF16, true> fb;
-  fb.x = xb.data();
-  fb.dy = dy.data();
-  fb.rstd = nullptr;
-  fb.dx = dx_fused_b.data();
-  fb.rows = rows;
-  fb.K = K;
-  fb.parts = parts;
-  fb.group = group;
-  fb.part_stride = f.part_stride;
-  fb.eps = eps;
-  run_backward(fb);
+  // the fused backward (partial gradients summed, r recomputed) from float32 and bf16 rows
+  auto fused = [&](auto io, const auto* xs, float* out) {
+    NormGrad<decltype(io), true> a;
+    a.x = xs;
+    a.dy = dy.data();
+    a.rstd = nullptr;
+    a.dx = out;
+    a.rows = rows;
+    a.K = K;
+    a.parts = parts;
+    a.group = group;
+    a.part_stride = int64_t(n) * group;
+    a.eps = eps;
+    run_backward(a);
+  };
+  fused(F32{}, x.data(), dx_fused.data());
+  fused(BF16{}, xb.data(), dx_fused_b.data());
   NormGrad<F32, false> s;
   s.x = x.data();
   s.dy = dy.data();
