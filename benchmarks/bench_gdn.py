@@ -99,6 +99,10 @@ def main():
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--gate", choices=["head", "channel", "both"], default="both",
                         help="cuda: per-head gate, per-channel gate (KDA) or both")
+    parser.add_argument("--shapes", type=int, nargs="+", default=None, metavar="I",
+                        help="cuda: which of the shapes to run (indices from 0; default all)")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="cuda: skip the per-kernel profile after the timings")
     args = parser.parse_args()
     if args.device == "cuda":
         from bench_gdn_cuda import main_cuda  # the CUDA side (fla, CUDA events)

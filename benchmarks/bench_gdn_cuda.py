@@ -150,6 +150,8 @@ def main_cuda(args):
     name = torch.cuda.get_device_name()
     print(f"torch {torch.__version__}, {name}, fla {fla['version'] if fla else 'n/a'}")
     shapes = SHAPES[:1] if args.quick else SHAPES
+    if args.shapes is not None:
+        shapes = [SHAPES[i] for i in args.shapes]
     results = []
     for gate in ("head", "channel") if args.gate == "both" else (args.gate,):
         for B, T, H, K, V in shapes:
@@ -181,7 +183,8 @@ def main_cuda(args):
                 del inputs
     profiles = {}
     for (name, fn), (mode, backward) in itertools.product(
-            (("token", ours), ("chunked", chunked)), (("fwd", False), ("fwd+bwd", True))):
+            () if args.no_profile else (("token", ours), ("chunked", chunked)),
+            (("fwd", False), ("fwd+bwd", True))):
         rows = kernel_profile(fn, *SHAPES[0], False, backward)
         profiles[f"{name} {mode}"] = rows
         print(f"per-kernel CUDA time, {name}, head gate, {mode}, shape {SHAPES[0]} (us per call):")
