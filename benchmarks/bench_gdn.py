@@ -101,6 +101,8 @@ def main():
                         help="cuda: per-head gate, per-channel gate (KDA) or both")
     parser.add_argument("--shapes", type=int, nargs="+", default=None, metavar="I",
                         help="cuda: which of the shapes to run (indices from 0; default all)")
+    parser.add_argument("--no-fla", action="store_true",
+                        help="cuda: time rlx_torch alone (where fla's kernel crashes the process)")
     parser.add_argument("--no-profile", action="store_true",
                         help="cuda: skip the per-kernel profile after the timings")
     args = parser.parse_args()

@@ -146,7 +146,7 @@ def time_cuda(fns, args, backward, warmup, repeats):
 
 def main_cuda(args):
     torch.manual_seed(0)
-    fla = load_fla()
+    fla = None if args.no_fla else load_fla()
     name = torch.cuda.get_device_name()
     print(f"torch {torch.__version__}, {name}, fla {fla['version'] if fla else 'n/a'}")
     shapes = SHAPES[:1] if args.quick else SHAPES
