@@ -534,7 +534,10 @@ def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
     table = "; ".join(f"{n}: ours {o:.2e}, fla {f:.2e}, ours-fla {d:.2e}"
                       for n, (o, f, d) in errs.items())
     # streamed as well (seen with -s), so that a run stopped by a time limit still shows it
-    print(f"test_matches_fla[per_channel={per_channel}, chunked={chunked}]: {table}", flush=True)
+    import fla
+
+    print(f"test_matches_fla[per_channel={per_channel}, chunked={chunked}], fla "
+          f"{getattr(fla, '__version__', '?')}: {table}", flush=True)
     for name, tol in FLA_TOL.items():
         ours_err, fla_err, err = errs[name]
         assert ours_err <= tol, f"{name}: rel RMS {ours_err:.4f} against float64 > {tol} ({table})"
