@@ -60,6 +60,46 @@ def test_gram_product_matches_the_full_product():
     torch.testing.assert_close(out.float(), (a.float() @ a.float().mT), rtol=2 ** -7, atol=1e-2)
 
 
+@pytest.mark.parametrize("N, m, k", [(1, 96, 2051), (3, 70, 33), (2, 256, 1024), (1, 33, 1)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_one_operand_for_both_sides(N, m, k, transposed):
+    # a is b (X Xᵀ) packs the operand once for both sides of the product; the result is
+    # bitwise that of two equal operands. k = 2051: several k blocks and an odd tail.
+    gen = torch.Generator().manual_seed(m + k)
+    a = torch.randn((N, k, m) if transposed else (N, m, k), generator=gen).bfloat16()
+    out = symmetric_matmul(a, a, None, 1.0, 0.0, transposed=transposed)
+    assert torch.equal(out, symmetric_matmul(a, a.clone(), None, 1.0, 0.0, transposed=transposed))
+    ref = reference(a, a, None, 1.0, 0.0, transposed)
+    torch.testing.assert_close(out.float(), ref, rtol=0, atol=2 ** -7 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_deterministic_across_threads_and_batches(transposed):
+    # Each matrix's sums run in one fixed order whatever the thread count or the batch.
+    gen = torch.Generator().manual_seed(7)
+    m, k = 200, 300
+    shape = (3, k, m) if transposed else (3, m, k)
+    a = torch.randn(shape, generator=gen).bfloat16()
+    b = torch.randn(shape, generator=gen).bfloat16()
+    c = torch.randn(3, m, m, generator=gen).bfloat16()
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = symmetric_matmul(a, b, c, 0.5, 2.0, transposed=transposed)
+    finally:
+        torch.set_num_threads(threads)
+    torch.set_num_threads(max(threads, 2))
+    try:
+        many = symmetric_matmul(a, b, c, 0.5, 2.0, transposed=transposed)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, many)
+    for i in range(3):
+        alone = symmetric_matmul(a[i:i + 1], b[i:i + 1], c[i:i + 1], 0.5, 2.0,
+                                 transposed=transposed)
+        assert torch.equal(alone, many[i:i + 1])
+
+
 def test_non_contiguous_operands():
     base = torch.randn(2, 40, 90).bfloat16()
     a = base[:, :, 5:70]  # row stride 90

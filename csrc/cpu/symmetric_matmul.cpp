@@ -36,9 +36,12 @@
 namespace rlx {
 namespace {
 
-constexpr int64_t kRows = 8;     // MR: rows of a tile (one broadcast each per k pair)
-constexpr int64_t kCols = 32;    // NR: columns of a tile, two 16-lane float32 vectors
-constexpr int64_t kBlockK = 256; // k values per packed block: 16 KiB of packed b, in L1
+constexpr int64_t kRows = 8;   // MR: rows of a tile (one broadcast each per k pair)
+constexpr int64_t kCols = 32;  // NR: columns of a tile, two 16-lane float32 vectors
+// k values per pass over a tile: up to this k its float32 sums stay in registers and b's
+// packed panel (64 KiB) streams from L2; longer k is summed in passes through Scratch::acc.
+constexpr int64_t kBlockK = 1024;
+constexpr size_t kKeepPacked = size_t(1) << 20;  // uint32 pairs: 4 MiB per operand
 
 // RLX_NO_AVX512_BF16=1 forces the fallback (tests of it; a way around a suspected CPU issue).
 bool cpu_has_avx512_bf16() {
@@ -63,31 +66,27 @@ inline uint32_t load_pair(const uint16_t* p) {
   return v;
 }
 
-// One k pair of a tile: c[r][v] += a[r][k pair] * b[v] for the 8 rows and kVecs vectors.
+// One k pair of a tile: c[r][v] += a_pair[r] * b[v] for the 8 rows and kVecs vectors; the
+// a pairs are broadcast straight from memory (ap[r]).
 template <int kVecs>
 RLX_AVX512_BF16 inline __attribute__((always_inline)) void tile_step(
-    __m512 (&c)[kRows][2], const uint32_t (&pair)[kRows], const uint32_t* bp) {
+    __m512 (&c)[kRows][2], const uint32_t* ap, const uint32_t* bp) {
   __m512bh bv[kVecs];
   for (int v = 0; v < kVecs; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(bp + 16 * v);
   for (int64_t r = 0; r < kRows; ++r) {
-    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[r]));
+    const __m512bh av = (__m512bh)_mm512_set1_epi32(static_cast<int>(ap[r]));
     for (int v = 0; v < kVecs; ++v) c[r][v] = _mm512_dpbf16_ps(c[r][v], av, bv[v]);
   }
 }
 
-// acc[r][col0 .. col0 + 16 kVecs) (+)= sum over the block's k pairs p of a_pair(r, p) .
-// b_pair(j, p), for rows r < rows (rows past them repeat the last one and are not stored);
-// kVecs = 1 serves the tiles left of the diagonal's lower half, which only need the panel's
-// right 16 columns (col0 = 16). The a pairs come from rows of a (kPackedA = false:
-// a + r * lda, `full` pairs inside the rows, an odd tail pair reads one value) or from a
-// packed block (true: a[p * lda + r], all pairs present).
-template <bool kPackedA, int kVecs>
-RLX_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, int64_t rows, const uint32_t* bp,
-                          int64_t pairs, int64_t full, float* acc, bool accumulate) {
+// acc[r][col0 .. col0 + 16 kVecs) (+)= sum over the k pairs p < pairs of a_pair(r, p) .
+// b_pair(j, p) for the tile's 8 rows, from packed panels (ap[p * kCols + r] and
+// bp[p * kCols + j], see pack_rows); kVecs = 1 serves the tiles left of the diagonal's lower
+// half, which only need the panel's right 16 columns (col0 = 16).
+template <int kVecs>
+RLX_AVX512_BF16 void tile(const uint32_t* ap, const uint32_t* bp, int64_t pairs, float* acc,
+                          bool accumulate) {
   constexpr int64_t col0 = kCols - 16 * kVecs;
-  const uint16_t* ar[kRows];
-  for (int64_t r = 0; r < kRows; ++r) ar[r] = a + std::min(r, rows - 1) * lda;
-  const uint32_t* ap = reinterpret_cast<const uint32_t*>(a);
   __m512 c[kRows][2];
   for (int64_t r = 0; r < kRows; ++r) {
     for (int v = 0; v < kVecs; ++v) {
@@ -95,32 +94,20 @@ RLX_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, int64_t rows, const ui
                            : _mm512_setzero_ps();
     }
   }
-  uint32_t pair[kRows];
-  for (int64_t p = 0; p < full; ++p) {
-    for (int64_t r = 0; r < kRows; ++r) {
-      pair[r] = kPackedA ? ap[p * lda + r] : load_pair(ar[r] + 2 * p);
-    }
-    tile_step<kVecs>(c, pair, bp + p * kCols + col0);
-  }
-  if (pairs > full) {
-    for (int64_t r = 0; r < kRows; ++r) pair[r] = ar[r][2 * full];
-    tile_step<kVecs>(c, pair, bp + full * kCols + col0);
-  }
+  for (int64_t p = 0; p < pairs; ++p) tile_step<kVecs>(c, ap + p * kCols, bp + p * kCols + col0);
   for (int64_t r = 0; r < kRows; ++r) {
     for (int v = 0; v < kVecs; ++v) _mm512_storeu_ps(acc + r * kCols + col0 + 16 * v, c[r][v]);
   }
 }
 
-// A tile of rows [i0, i0 + rows) of a panel starting at column j0: only the right half when
+// The tile of rows [i0, i0 + 8) of the panel starting at column j0: only the right half when
 // every row lies at or below the panel's column j0 + 16 (its left half is below the diagonal).
-template <bool kPackedA>
-RLX_AVX512_BF16 void any_tile(int64_t i0, int64_t j0, const uint16_t* a, int64_t lda,
-                              int64_t rows, const uint32_t* bp, int64_t pairs, int64_t full,
-                              float* acc, bool accumulate) {
+RLX_AVX512_BF16 void any_tile(int64_t i0, int64_t j0, const uint32_t* ap, const uint32_t* bp,
+                              int64_t pairs, float* acc, bool accumulate) {
   if (i0 >= j0 + 16) {
-    tile<kPackedA, 1>(a, lda, rows, bp, pairs, full, acc, accumulate);
+    tile<1>(ap, bp, pairs, acc, accumulate);
   } else {
-    tile<kPackedA, 2>(a, lda, rows, bp, pairs, full, acc, accumulate);
+    tile<2>(ap, bp, pairs, acc, accumulate);
   }
 }
 
@@ -223,6 +210,25 @@ RLX_AVX512_BF16 inline __attribute__((always_inline)) void transpose_8x8(__m128i
   }
 }
 
+// transpose_8x8 on each of the four 128-bit lanes of x at once.
+RLX_AVX512_BF16 inline __attribute__((always_inline)) void transpose_8x8_lanes(__m512i (&x)[8]) {
+  __m512i a[8], b[8];
+  for (int r = 0; r < 4; ++r) {
+    a[2 * r] = _mm512_unpacklo_epi16(x[2 * r], x[2 * r + 1]);
+    a[2 * r + 1] = _mm512_unpackhi_epi16(x[2 * r], x[2 * r + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {
+    b[4 * h + 0] = _mm512_unpacklo_epi32(a[4 * h + 0], a[4 * h + 2]);
+    b[4 * h + 1] = _mm512_unpackhi_epi32(a[4 * h + 0], a[4 * h + 2]);
+    b[4 * h + 2] = _mm512_unpacklo_epi32(a[4 * h + 1], a[4 * h + 3]);
+    b[4 * h + 3] = _mm512_unpackhi_epi32(a[4 * h + 1], a[4 * h + 3]);
+  }
+  for (int q = 0; q < 4; ++q) {
+    x[2 * q] = _mm512_unpacklo_epi64(b[q], b[4 + q]);
+    x[2 * q + 1] = _mm512_unpackhi_epi64(b[q], b[4 + q]);
+  }
+}
+
 // Writes the panel's entries on and above the diagonal, out[i][j] = alpha acc + beta c
 // (rounded to nearest even; the bf16 conversion treats float32 denormals as zero), and
 // their mirror images out[j][i], the latter as transposed 8 x 8 blocks.
@@ -234,6 +240,44 @@ RLX_AVX512_BF16 void epilogue(const float* acc, const uint16_t* c, uint16_t* out
   alignas(64) uint16_t tile[kRows][kCols] = {};
   for (int64_t i0 = 0; i0 < i_end; i0 += kRows) {
     const int64_t rows = std::min(kRows, i_end - i0);
+    if (nr == kCols && i0 + kRows <= j0) {
+      // Every entry of these rows lies above the diagonal and mirrors into a whole 8 x 8
+      // block: no masks, no diagonal.
+      __m512i rows_bits[kRows];
+      for (int64_t r = 0; r < kRows; ++r) {
+        const int64_t i = i0 + r;
+        __m512 v[2];
+        for (int64_t h = 0; h < 2; ++h) {
+          v[h] = _mm512_mul_ps(va, _mm512_loadu_ps(acc + i * kCols + 16 * h));
+          if (c) {
+            const __m256i cb =
+                _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + i * m + j0 + 16 * h));
+            const __m512 cf =
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(cb), 16));
+            v[h] = _mm512_fmadd_ps(vb, cf, v[h]);
+          }
+        }
+        rows_bits[r] = _mm512_inserti64x4(
+            _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v[0])),
+            (__m256i)_mm512_cvtneps_pbh(v[1]), 1);
+        _mm512_storeu_si512(out + i * m + j0, rows_bits[r]);
+      }
+      // Each 128-bit lane L of row_bits[r] holds columns 8 L .. 8 L + 7 of row r: transposing
+      // the four 8 x 8 blocks at once leaves column 8 L + jj of the 8 rows in lane L of
+      // rows_bits[jj].
+      transpose_8x8_lanes(rows_bits);
+      for (int64_t jj = 0; jj < 8; ++jj) {
+        uint16_t* o = out + (j0 + jj) * m + i0;
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o), _mm512_castsi512_si128(rows_bits[jj]));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 8 * m),
+                         _mm512_extracti32x4_epi32(rows_bits[jj], 1));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 16 * m),
+                         _mm512_extracti32x4_epi32(rows_bits[jj], 2));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(o + 24 * m),
+                         _mm512_extracti32x4_epi32(rows_bits[jj], 3));
+      }
+      continue;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       __m256i half[2];
@@ -279,44 +323,100 @@ RLX_AVX512_BF16 void epilogue(const float* acc, const uint16_t* c, uint16_t* out
 }  // namespace isa_avx512bf16
 #endif
 
-// One column panel [j0, j0 + nr) of one matrix: the rows i < j0 + nr (all tiles that hold
-// an upper-triangle entry of the panel), then the epilogue writes out[i][j] and out[j][i]
-// for i <= j. Panels write disjoint entries, so they run in parallel. `transposed`: a and b
-// are [kdim, m] and the product is a^T b.
+// Operands are packed once per matrix and thread, a panel of kCols rows (of a, b; columns
+// for `transposed`, where a and b are [kdim, m] and the product is a^T b) at a time, over the
+// whole k: panel q holds pairs (p, x) at [q][p][x] (pack_rows / pack_columns), zero past m and
+// past kdim. The same layout serves both sides of a tile: b's panel gives the tile's vectors
+// and a's panel the broadcast pairs of its rows, so neither needs masking or odd-k care. For
+// X X^T (a and b the same data) one packed copy serves both.
 struct Scratch {
   std::vector<float> acc;        // the panel's float32 sums, [rows, kCols]
-  std::vector<uint32_t> packed;  // b's panel, [kBlockK / 2, kCols] pairs
-  std::vector<uint32_t> a_pack;  // a^T's rows (transposed only), [kBlockK / 2, m rounded to 32]
+  std::vector<uint32_t> pa, pb;  // packed a and b, [panels][pairs][kCols]
+  std::vector<char> have_a, have_b;
+  int64_t n = -1;                // the matrix whose panels pa, pb hold
 };
 
-void panel(const uint16_t* a, const uint16_t* b, const uint16_t* c, uint16_t* out, int64_t m,
-           int64_t kdim, bool transposed, int64_t j0, float alpha, float beta, float diag,
-           Scratch& s) {
+struct Problem {
+  const uint16_t *a, *b, *c;
+  uint16_t* out;
+  int64_t m, kdim, panels, pairs;
+  bool transposed, same;  // same: a and b hold the same data
+  float alpha, beta, diag;
+};
+
+// Makes panel q of operand src (matrix n) present in dst.
+void ensure_packed(const Problem& pr, const uint16_t* src, std::vector<uint32_t>& dst,
+                   std::vector<char>& have, int64_t q) {
 #if RLX_HAVE_AVX512_BF16_PATH
   using namespace isa_avx512bf16;
-  const int64_t nr = std::min(kCols, m - j0), i_end = j0 + nr;
-  const int64_t a_width = (i_end + kCols - 1) / kCols * kCols;
-  for (int64_t k0 = 0; k0 < kdim; k0 += kBlockK) {
-    const int64_t kc = std::min(kBlockK, kdim - k0);
-    const int64_t pairs = (kc + 1) / 2;
-    if (transposed) {
-      pack_columns(b, m, j0, nr, kCols, k0, kc, kdim, s.packed.data());
-      pack_columns(a, m, 0, i_end, a_width, k0, kc, kdim, s.a_pack.data());
-      for (int64_t i0 = 0; i0 < i_end; i0 += kRows) {
-        any_tile<true>(i0, j0, reinterpret_cast<const uint16_t*>(s.a_pack.data() + i0),
-                       a_width, std::min(kRows, i_end - i0), s.packed.data(), pairs, pairs,
-                       &s.acc[i0 * kCols], k0 > 0);
-      }
-    } else {
-      pack_rows(b + j0 * kdim, kdim, nr, k0, kc, kdim, s.packed.data());
-      for (int64_t i0 = 0; i0 < i_end; i0 += kRows) {
-        any_tile<false>(i0, j0, a + i0 * kdim + k0, kdim, std::min(kRows, i_end - i0),
-                        s.packed.data(), pairs, kc / 2, &s.acc[i0 * kCols], k0 > 0);
-      }
+  if (have[q]) return;
+  const int64_t x0 = q * kCols, nr = std::min(kCols, pr.m - x0);
+  uint32_t* d = dst.data() + q * pr.pairs * kCols;
+  if (pr.transposed) {
+    pack_columns(src, pr.m, x0, nr, kCols, 0, pr.kdim, pr.kdim, d);
+  } else {
+    pack_rows(src + x0 * pr.kdim, pr.kdim, nr, 0, pr.kdim, pr.kdim, d);
+  }
+  have[q] = 1;
+#endif
+}
+
+// One column panel [j0, j0 + nr) of matrix n: the rows i < j0 + nr (all tiles that hold an
+// upper-triangle entry of the panel), then the epilogue writes out[i][j] and out[j][i] for
+// i <= j. Panels write disjoint entries, so they run in parallel.
+void panel(const Problem& pr, int64_t n, int64_t pj, Scratch& s) {
+#if RLX_HAVE_AVX512_BF16_PATH
+  using namespace isa_avx512bf16;
+  const int64_t m = pr.m, j0 = pj * kCols, nr = std::min(kCols, m - j0), i_end = j0 + nr;
+  const uint16_t* a = pr.a + n * m * pr.kdim;
+  const uint16_t* b = pr.b + n * m * pr.kdim;
+  if (s.n != n) {
+    std::fill(s.have_a.begin(), s.have_a.end(), 0);
+    std::fill(s.have_b.begin(), s.have_b.end(), 0);
+    s.n = n;
+  }
+  std::vector<uint32_t>& pa = pr.same ? s.pb : s.pa;
+  std::vector<char>& have_a = pr.same ? s.have_b : s.have_a;
+  ensure_packed(pr, b, s.pb, s.have_b, pj);
+  for (int64_t q = 0; q <= pj; ++q) ensure_packed(pr, a, pa, have_a, q);
+  const int64_t P = pr.pairs, panel_size = P * kCols;
+  const uint32_t* bp = s.pb.data() + pj * panel_size;
+  for (int64_t p0 = 0; p0 < P; p0 += kBlockK / 2) {
+    const int64_t np = std::min(kBlockK / 2, P - p0);
+    for (int64_t i0 = 0; i0 < i_end; i0 += kRows) {
+      const uint32_t* ap = pa.data() + (i0 / kCols) * panel_size + i0 % kCols;
+      any_tile(i0, j0, ap + p0 * kCols, bp + p0 * kCols, np, &s.acc[i0 * kCols], p0 > 0);
     }
   }
-  epilogue(s.acc.data(), c, out, m, j0, nr, alpha, beta, diag);
+  epilogue(s.acc.data(), pr.c ? pr.c + n * m * m : nullptr, pr.out + n * m * m, m, j0, nr,
+           pr.alpha, pr.beta, pr.diag);
 #endif
+}
+
+// Tasks [begin, end) of the N * panels (matrix, panel) pairs, on one thread.
+void run_tasks(const Problem& pr, int64_t begin, int64_t end) {
+  // Kept per thread: fresh buffers were page-faulted in on every call.
+  static thread_local Scratch s;
+  const int64_t m_pad = pr.panels * kCols, packed = pr.panels * pr.pairs * kCols;
+  if (s.acc.size() < size_t(m_pad * kCols)) s.acc.resize(m_pad * kCols);
+  if (s.pb.size() < size_t(packed)) s.pb.resize(packed);
+  if (!pr.same && s.pa.size() < size_t(packed)) s.pa.resize(packed);
+  s.have_a.assign(pr.panels, 0);
+  s.have_b.assign(pr.panels, 0);
+  s.n = -1;
+  for (int64_t t = begin; t < end; ++t) {
+    // Panels far right hold the most tiles: interleave small and large ones so that the
+    // contiguous task ranges of the threads get similar work even for one matrix.
+    const int64_t n = t / pr.panels, r = t % pr.panels;
+    const int64_t pj = r % 2 == 0 ? r / 2 : pr.panels - 1 - r / 2;
+    panel(pr, n, pj, s);
+  }
+  // Packed operands are copies of whole matrices: keep them between calls only when small
+  // (Muon's m = 256, k = 1024 needs 512 KiB each).
+  if (size_t(packed) > kKeepPacked) {
+    std::vector<uint32_t>().swap(s.pa);
+    std::vector<uint32_t>().swap(s.pb);
+  }
 }
 
 void check_operands(const at::Tensor& a, const at::Tensor& b, const std::optional<at::Tensor>& c,
@@ -375,27 +475,11 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
   const auto* pc = c ? reinterpret_cast<const uint16_t*>(c->data_ptr<at::BFloat16>()) : nullptr;
   auto* po = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const int64_t panels = (m + kCols - 1) / kCols;
-  const int64_t m_pad = (m + kRows - 1) / kRows * kRows;
-  const int64_t m_cols = (m + kCols - 1) / kCols * kCols;
-  const float fa = static_cast<float>(alpha), fb = static_cast<float>(beta);
-  const float fd = static_cast<float>(diag);
-  at::parallel_for(0, N * panels, 1, [&](int64_t begin, int64_t end) {
-    // Kept per thread: fresh buffers (up to 128 KiB) were page-faulted in on every call.
-    static thread_local Scratch s;
-    if (s.acc.size() < size_t(m_pad * kCols)) s.acc.resize(m_pad * kCols);
-    if (s.packed.size() < size_t(kBlockK / 2 * kCols)) s.packed.resize(kBlockK / 2 * kCols);
-    if (transposed && s.a_pack.size() < size_t(kBlockK / 2 * m_cols)) {
-      s.a_pack.resize(kBlockK / 2 * m_cols);
-    }
-    for (int64_t t = begin; t < end; ++t) {
-      // Panels far right hold the most tiles: interleave small and large ones so that the
-      // contiguous task ranges of the threads get similar work even for one matrix.
-      const int64_t n = t / panels, r = t % panels;
-      const int64_t pj = r % 2 == 0 ? r / 2 : panels - 1 - r / 2;
-      panel(pa + n * m * kdim, pb + n * m * kdim, pc ? pc + n * m * m : nullptr, po + n * m * m,
-            m, kdim, transposed, pj * kCols, fa, fb, fd, s);
-    }
-  });
+  const Problem pr{pa, pb, pc, po, m, kdim, panels, (kdim + 1) / 2, transposed,
+                   pa == pb, static_cast<float>(alpha), static_cast<float>(beta),
+                   static_cast<float>(diag)};
+  at::parallel_for(0, N * panels, 1,
+                   [&](int64_t begin, int64_t end) { run_tasks(pr, begin, end); });
   return out;
 }
 
