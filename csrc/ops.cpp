@@ -64,6 +64,11 @@ TORCH_LIBRARY(rlx, m) {
   m.def(
       "symmetric_matmul(Tensor a, Tensor b, Tensor? c, float alpha, float beta,"
       " bool transposed=False, float diag=0.0) -> Tensor");
+  // The same written into out (contiguous bf16 [N, m, m], sharing no memory with a, b or c);
+  // returns nothing, so that torch.compile can functionalize it.
+  m.def(
+      "symmetric_matmul_out(Tensor a, Tensor b, Tensor? c, float alpha, float beta,"
+      " bool transposed, float diag, Tensor(a!) out) -> ()");
   // Whether this CPU runs symmetric_matmul natively (AVX512-BF16); else it is a fallback.
   m.def("symmetric_matmul_is_native() -> bool");
   // The whole bf16 Newton–Schulz iteration of Muon for wide X [N, m, n] (m <= n, multiples

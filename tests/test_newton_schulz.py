@@ -204,3 +204,49 @@ def test_gram_form_fails_the_accuracy_check_without_restarts(monkeypatch):
     # iteration drifts away (float32, Keller's coefficients, 8 steps).
     monkeypatch.setattr(ns_module, "gram_restarts", lambda coefficients: ())
     assert gram_failures((64, 256), resolve_schedule("keller", 8)) != []
+
+
+# ---- Workspace: the CPU iteration's buffers kept between calls ----
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_workspace_gives_the_same_results_bit_for_bit(dtype):
+    # Shapes that grow, shrink and change role (tall, wide, square), through one workspace:
+    # each result equals the one computed with new tensors, and stays valid until the
+    # workspace's next use.
+    workspace = ns_module.Workspace()
+    schedule = resolve_schedule("keller", 5)
+    g = torch.Generator().manual_seed(0)
+    for shape in [(3, 40, 40), (2, 96, 33), (2, 33, 96), (5, 40, 40), (1, 7, 7), (0, 8, 8),
+                  (2, 96, 33)]:
+        G = torch.randn(*shape, generator=g)
+        expected = newton_schulz(G, schedule, 1e-7, dtype)
+        got = newton_schulz(G, schedule, 1e-7, dtype, workspace=workspace)
+        assert got.shape == expected.shape and got.dtype == dtype
+        assert torch.equal(got, expected), shape
+
+
+def test_workspace_buffers_are_reused_not_reallocated():
+    workspace = ns_module.Workspace()
+    schedule = resolve_schedule("keller", 5)
+    G = torch.randn(4, 64, 48)
+    newton_schulz(G, schedule, 1e-7, torch.bfloat16, workspace=workspace)
+    ptrs = {role: t.data_ptr() for role, t in workspace._buffers.items()}
+    assert {"gram", "iterate0", "iterate1"} <= set(ptrs)
+    newton_schulz(G[:3], schedule, 1e-7, torch.bfloat16, workspace=workspace)  # smaller: reused
+    assert {role: t.data_ptr() for role, t in workspace._buffers.items()} == ptrs
+
+
+def test_muon_keeps_its_newton_schulz_buffers_between_steps():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(64, 48)) for _ in range(3)] + [
+        nn.Parameter(torch.randn(32, 96))]
+    opt = Muon(params, lr=0.02)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    ptrs = {role: t.data_ptr() for role, t in opt._ns_workspace._buffers.items()}
+    assert ptrs
+    opt.step()
+    assert {role: t.data_ptr() for role, t in opt._ns_workspace._buffers.items()} == ptrs
+    assert "_ns_workspace" not in opt.state_dict()

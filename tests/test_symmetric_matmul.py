@@ -116,6 +116,47 @@ def test_opcheck():
                           (a, b, c, 1.5, 0.5, False, 0.7))
     at, bt, _ = operands(2, 19, 37, True, torch.Generator().manual_seed(1), False)
     torch.library.opcheck(torch.ops.rlx.symmetric_matmul.default, (at, bt, None, 1.0, 0.0, True))
+    out = torch.empty(2, 19, 19, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.rlx.symmetric_matmul_out.default,
+                          (a, b, c, 1.5, 0.5, False, 0.7, out))
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+def test_out_variant_writes_the_same_result_into_out(transposed):
+    g = torch.Generator().manual_seed(3)
+    a, b, c = operands(3, 45, 70, transposed, g, True)
+    expected = symmetric_matmul(a, b, c, 1.25, -0.5, transposed, diag=0.5)
+    out = torch.full_like(expected, float("nan"))
+    got = symmetric_matmul(a, b, c, 1.25, -0.5, transposed, diag=0.5, out=out)
+    assert got is out
+    assert torch.equal(out, expected)
+    empty = torch.empty(0, *expected.shape[1:], dtype=torch.bfloat16)
+    assert symmetric_matmul(a[:0], b[:0], None, transposed=transposed, out=empty) is empty
+
+
+def _bad_out_cases():
+    a = torch.randn(2, 6, 9).bfloat16()
+    c = torch.randn(2, 6, 6).bfloat16()
+    return [
+        ((a, a, None), torch.empty(2, 6, 6), "out must be a bfloat16"),
+        ((a, a, None), torch.empty(2, 6, 7, dtype=torch.bfloat16), r"out must be \[N, m, m\]"),
+        ((a, a, None), torch.empty(2, 6, 12, dtype=torch.bfloat16)[..., ::2],
+         "out must be contiguous"),
+        ((a, a, c), c, "out must not share memory"),
+        ((a, a, None), a.view(2, 9, 6)[:, :6].contiguous().view(-1)[:72].view(2, 6, 6),
+         None),  # a fresh tensor: fine
+        ((a, a, None), a.view(-1)[:72].view(2, 6, 6), "out must not share memory"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(len(_bad_out_cases())))
+def test_bad_out_raises(case):
+    args, out, message = _bad_out_cases()[case]
+    if message is None:
+        symmetric_matmul(*args, out=out)
+        return
+    with pytest.raises(RuntimeError, match=message):
+        symmetric_matmul(*args, out=out)
 
 
 def test_is_native_matches_the_cpu_flags():
@@ -193,6 +234,9 @@ for t in (False, True):
         if with_c:
             full = full + 0.5 * c.double()
         assert torch.equal(out, full.bfloat16()), (t, with_c, (out.double() - full).abs().max())
+        into = torch.full_like(out, float("nan"))
+        symmetric_matmul(a, a, c, 1.5, 0.5, t, diag=0.375, out=into)
+        assert torch.equal(into, out), (t, with_c)
 # 257 + 0.75: once rounded 258; rounding 257 first (to 256, ties to even) gives 256.
 a = torch.tensor([[[16.0, 1.0]]]).bfloat16()
 assert symmetric_matmul(a, a, None, 1.0, 0.0, False, diag=0.75).item() == 258.0

@@ -16,6 +16,8 @@
 // Accumulation is float32 (as in oneDNN's bf16 GEMM); each output is rounded to bf16 once.
 #include "torch_headers.h"
 
+#include <ATen/MemoryOverlap.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -443,10 +445,35 @@ void check_operands(const at::Tensor& a, const at::Tensor& b, const std::optiona
 // The upper triangle of x, mirrored.
 at::Tensor symmetrize_upper(const at::Tensor& x) { return x.triu().add_(x.triu(1).mT()); }
 
-at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
-                                const std::optional<at::Tensor>& c_in, double alpha, double beta,
-                                bool transposed, double diag) {
+// out must be a contiguous bf16 CPU tensor of the result's shape that shares no memory with
+// a, b or c (the kernel reads a and b's rows while it writes mirrored tiles of out).
+void check_out(const at::Tensor& out, const at::Tensor& a, const at::Tensor& b,
+               const std::optional<at::Tensor>& c, int64_t N, int64_t m) {
+  const char* op = "rlx::symmetric_matmul";
+  TORCH_CHECK(out.scalar_type() == at::kBFloat16 && out.device().is_cpu(), op,
+              ": out must be a bfloat16 CPU tensor, got ", out.scalar_type(), " on ",
+              out.device());
+  TORCH_CHECK(out.dim() == 3 && out.size(0) == N && out.size(1) == m && out.size(2) == m, op,
+              ": out must be [N, m, m] = [", N, ", ", m, ", ", m, "], got shape ", out.sizes());
+  TORCH_CHECK(out.is_contiguous(), op, ": out must be contiguous");
+  for (const at::Tensor* t : {&a, &b, c ? &*c : nullptr}) {
+    if (t == nullptr) continue;
+    // (TooHard: a strided operand; then any shared storage counts as sharing)
+    const at::MemOverlapStatus status = at::get_overlap_status(out, *t);
+    TORCH_CHECK(status == at::MemOverlapStatus::No ||
+                    (status == at::MemOverlapStatus::TooHard &&
+                     !out.storage().is_alias_of(t->storage())),
+                op, ": out must not share memory with a, b or c");
+  }
+}
+
+void symmetric_matmul_out_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
+                              const std::optional<at::Tensor>& c_in, double alpha, double beta,
+                              bool transposed, double diag, const at::Tensor& out) {
   check_operands(a_in, b_in, c_in, transposed);
+  const int64_t N = a_in.size(0), m = a_in.size(transposed ? 2 : 1);
+  const int64_t kdim = a_in.size(transposed ? 1 : 2);
+  check_out(out, a_in, b_in, c_in, N, m);
   if (!cpu_has_avx512_bf16()) {
     // The same arithmetic as the native path: products of bf16 values summed in float32,
     // beta c and diag added in float32, one rounding to bf16 at the end (a bf16 baddbmm
@@ -456,20 +483,20 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
     at::Tensor full = c_in.has_value() ? at::baddbmm(c_in->to(at::kFloat), lhs, rhs, beta, alpha)
                                        : at::bmm(lhs, rhs).mul_(alpha);
     full.diagonal(0, -2, -1).add_(diag);
-    return symmetrize_upper(full).to(at::kBFloat16);
+    out.copy_(symmetrize_upper(full));
+    return;
+  }
+  if (N == 0 || m == 0) return;
+  if (kdim == 0) {  // a b^T = 0
+    at::Tensor full = c_in ? symmetrize_upper(c_in->to(at::kFloat)).mul_(beta)
+                           : at::zeros({N, m, m}, a_in.options().dtype(at::kFloat));
+    full.diagonal(0, -2, -1).add_(diag);
+    out.copy_(full);  // one rounding, as in the epilogue
+    return;
   }
   const at::Tensor a = a_in.contiguous(), b = b_in.contiguous();
   const std::optional<at::Tensor> c =
       c_in.has_value() ? std::optional<at::Tensor>(c_in->contiguous()) : std::nullopt;
-  const int64_t N = a.size(0), m = a.size(transposed ? 2 : 1), kdim = a.size(transposed ? 1 : 2);
-  if (N == 0 || m == 0) return at::empty({N, m, m}, a.options());
-  if (kdim == 0) {  // a b^T = 0
-    at::Tensor out = c ? symmetrize_upper(c->to(at::kFloat)).mul_(beta)
-                       : at::zeros({N, m, m}, a.options().dtype(at::kFloat));
-    out.diagonal(0, -2, -1).add_(diag);
-    return out.to(at::kBFloat16);  // one rounding, as in the epilogue
-  }
-  at::Tensor out = at::empty({N, m, m}, a.options());
   const auto* pa = reinterpret_cast<const uint16_t*>(a.data_ptr<at::BFloat16>());
   const auto* pb = reinterpret_cast<const uint16_t*>(b.data_ptr<at::BFloat16>());
   const auto* pc = c ? reinterpret_cast<const uint16_t*>(c->data_ptr<at::BFloat16>()) : nullptr;
@@ -480,6 +507,15 @@ at::Tensor symmetric_matmul_cpu(const at::Tensor& a_in, const at::Tensor& b_in,
                    static_cast<float>(diag)};
   at::parallel_for(0, N * panels, 1,
                    [&](int64_t begin, int64_t end) { run_tasks(pr, begin, end); });
+}
+
+at::Tensor symmetric_matmul_cpu(const at::Tensor& a, const at::Tensor& b,
+                                const std::optional<at::Tensor>& c, double alpha, double beta,
+                                bool transposed, double diag) {
+  check_operands(a, b, c, transposed);
+  const int64_t m = a.size(transposed ? 2 : 1);
+  at::Tensor out = at::empty({a.size(0), m, m}, a.options());
+  symmetric_matmul_out_cpu(a, b, c, alpha, beta, transposed, diag, out);
   return out;
 }
 
@@ -488,7 +524,10 @@ bool symmetric_matmul_is_native() { return cpu_has_avx512_bf16(); }
 }  // namespace
 }  // namespace rlx
 
-TORCH_LIBRARY_IMPL(rlx, CPU, m) { m.impl("symmetric_matmul", &rlx::symmetric_matmul_cpu); }
+TORCH_LIBRARY_IMPL(rlx, CPU, m) {
+  m.impl("symmetric_matmul", &rlx::symmetric_matmul_cpu);
+  m.impl("symmetric_matmul_out", &rlx::symmetric_matmul_out_cpu);
+}
 
 TORCH_LIBRARY_IMPL(rlx, CompositeImplicitAutograd, m) {
   m.impl("symmetric_matmul_is_native", &rlx::symmetric_matmul_is_native);

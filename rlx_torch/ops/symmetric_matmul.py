@@ -9,6 +9,10 @@
     ``baddbmm`` whose upper triangle is mirrored (same meaning, no saving).
     ``RLX_NO_AVX512_BF16=1`` in the environment forces that fallback.
 
+``rlx::symmetric_matmul_out(a, b, c, alpha, beta, transposed, diag, out) -> ()``
+    The same written into ``out``: a contiguous bf16 ``[N, m, m]`` tensor that shares no memory with
+    a, b or c (so that a caller can keep reusing one buffer; Muon's iteration on CPU does).
+
 ``rlx::symmetric_matmul_is_native() -> bool``: whether the fast path runs on this CPU.
 """
 
@@ -23,11 +27,16 @@ def _symmetric_matmul_fake(a, b, c, alpha, beta, transposed=False, diag=0.0):
     return a.new_empty((a.shape[0], m, m))
 
 
+@torch.library.register_fake("rlx::symmetric_matmul_out")
+def _symmetric_matmul_out_fake(a, b, c, alpha, beta, transposed, diag, out):
+    return None
+
+
 def symmetric_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None,
                      alpha: float = 1.0, beta: float = 1.0, transposed: bool = False,
-                     diag: float = 0.0) -> torch.Tensor:
+                     diag: float = 0.0, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """``beta * c + alpha * a @ b^T + diag * I`` (``a^T @ b`` when transposed) for a
-    symmetric result; see the module docstring.
+    symmetric result, in a new tensor or into ``out``; see the module docstring.
 
     Example::
 
@@ -36,5 +45,9 @@ def symmetric_matmul(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = 
         >>> out.shape, bool(torch.equal(out, out.transpose(1, 2)))
         (torch.Size([2, 4, 4]), True)
     """
+    if out is not None:
+        torch.ops.rlx.symmetric_matmul_out(a, b, c, float(alpha), float(beta), transposed,
+                                           float(diag), out)
+        return out
     return torch.ops.rlx.symmetric_matmul(a, b, c, float(alpha), float(beta), transposed,
                                           float(diag))

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from .cpu_features import native_bf16
-from .newton_schulz import KELLER, iterates_wide, newton_schulz, resolve_schedule
+from .newton_schulz import KELLER, Workspace, iterates_wide, newton_schulz, resolve_schedule
 
 __all__ = ["Muon"]
 
@@ -304,8 +304,11 @@ class Muon(Optimizer):
             yield p
 
     def _muon_step(self, group: dict) -> None:
+        # Each job's update is applied before the next job runs, so one workspace serves all
+        # (its buffers are kept from step to step: newton_schulz.Workspace).
+        workspace = self.__dict__.setdefault("_ns_workspace", Workspace())
         for job in self._muon_jobs(group):
-            job.apply(job.orthogonalize())
+            job.apply(job.orthogonalize(workspace))
 
     def _muon_jobs(self, group: dict):
         """The group's batches, in a fixed order (that of its params): same matrix shape, dtype
@@ -399,9 +402,11 @@ class _MuonJob:
         holds the matrices transposed where `self.wide`)."""
         return torch.empty(self.X.shape, dtype=self.ns_dtype, device=self.X.device)
 
-    def orthogonalize(self) -> Tensor:
+    def orthogonalize(self, workspace: Workspace | None = None) -> Tensor:
+        """The orthogonalized update; with a `workspace`, a tensor in it (CPU), to be applied
+        before the workspace's next use."""
         ortho = newton_schulz(self.X, self.schedule, self.eps, self.ns_dtype,
-                              normalized=self.fused)
+                              normalized=self.fused, workspace=workspace)
         return ortho.contiguous()
 
     def apply(self, ortho: Tensor) -> None:

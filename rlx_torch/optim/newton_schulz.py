@@ -28,7 +28,7 @@ import torch
 
 from .cpu_features import amx_kernel_pays, symmetric_kernel_pays
 
-__all__ = ["KELLER", "POLAR_EXPRESS", "newton_schulz", "resolve_schedule"]
+__all__ = ["KELLER", "POLAR_EXPRESS", "Workspace", "newton_schulz", "resolve_schedule"]
 
 Triple = tuple[float, float, float]
 
@@ -174,11 +174,37 @@ def uses_gram(shape: Sequence[int], device: torch.device, method: str = "auto",
     return wide_enough and device.type == "cpu" and large >= GRAM_MIN_ASPECT * small
 
 
+class Workspace:
+    """Buffers that the standard iteration on CPU writes its iterates and m x m products into,
+    kept from call to call (one per role, grown to the largest batch seen).
+
+    A fresh tensor of a MiB or more is memory that the allocator may have handed back to the
+    system, and touching it again costs a page fault per 4 KiB page: with new tensors for
+    every product, Muon's CPU step spent about a third of its time in page faults on a 2-core
+    Zen 4 (docs/optim.md, "Buffers kept between steps"). A result returned through a workspace
+    lives in it, so it is valid until the next call that is given the same workspace.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def take(self, role: str, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        """A contiguous tensor of `shape` with `like`'s dtype and device for `role` (its
+        contents are left over from an earlier use)."""
+        numel = math.prod(shape)
+        buf = self._buffers.get(role)
+        if (buf is None or buf.numel() < numel or buf.dtype != like.dtype
+                or buf.device != like.device):
+            buf = self._buffers[role] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buf[:numel].view(shape)
+
+
 def newton_schulz(
     G: torch.Tensor, schedule: Schedule, eps: float, dtype: torch.dtype, method: str = "auto",
-    normalized: bool = False,
+    normalized: bool = False, workspace: Workspace | None = None,
 ) -> torch.Tensor:
-    """Orthogonalizes every matrix of `G` (`[..., m, n]`) in `dtype`; returns a new tensor.
+    """Orthogonalizes every matrix of `G` (`[..., m, n]`) in `dtype`; returns a new tensor
+    (with a `workspace`, on CPU: a tensor in it, valid until its next use).
 
     The result never shares memory with `G` (the first operation writes into a fresh buffer),
     so callers may pass a momentum buffer. The Gram matrix is always the small side: `X·Xᵀ`
@@ -186,7 +212,9 @@ def newton_schulz(
     transposed copies. `method`: "standard", "gram" (`_gram_iterations`) or "auto"
     (`uses_gram`). `normalized=True`: G is already in `dtype` and divided by its norm (and
     the schedule's safety factor), as `rlx::muon_ns_input` returns it; it is iterated on
-    directly (never written). Makes no host-device synchronisation.
+    directly (never written). `workspace` (`Workspace`): on CPU, the standard iteration's
+    intermediates and result go into its buffers instead of new tensors; elsewhere it is not
+    used. Makes no host-device synchronisation.
 
     Example::
 
@@ -205,11 +233,13 @@ def newton_schulz(
         raise ValueError(f"newton_schulz: a normalized G must be {dtype}, got {G.dtype}")
     X = G if normalized else _normalize(G, schedule.safety, eps, dtype)
     products = _Products.for_batch(G, dtype)
+    if G.device.type != "cpu":
+        workspace = None  # (the CUDA and MPS allocators keep freed blocks for reuse)
     if tall and iterates_wide(G.shape, G.device, dtype):
         # The contiguous wide form Xᵀ (one copy); the result is transposed back (a view).
-        X = _iterate(X.mT.contiguous(), schedule, False, products, method).mT
+        X = _iterate(X.mT.contiguous(), schedule, False, products, method, workspace).mT
     else:
-        X = _iterate(X, schedule, tall, products, method)
+        X = _iterate(X, schedule, tall, products, method, workspace)
     return X.reshape(*batch_shape, *X.shape[-2:])
 
 
@@ -279,19 +309,31 @@ class _Products:
         return _Products(G.device.type == "cpu" and dtype == torch.bfloat16
                          and symmetric_kernel_pays())
 
-    def sym(self, a, b, c, alpha=1.0, beta=1.0, diag=0.0):
+    def sym(self, a, b, c, alpha=1.0, beta=1.0, diag=0.0, out=None):
+        """In a new tensor, or into `out` (which shares no memory with a, b, c)."""
         if self.native:
+            if out is not None:
+                torch.ops.rlx.symmetric_matmul_out(a, b, c, alpha, beta, False, diag, out)
+                return out
             return torch.ops.rlx.symmetric_matmul(a, b, c, alpha, beta, False, diag)
-        out = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
+        if out is not None:
+            out = torch.baddbmm(c, a, b, beta=beta, alpha=alpha, out=out)
+        else:
+            out = torch.baddbmm(c, a, b, beta=beta, alpha=alpha)
         if diag != 0.0:
             out.diagonal(dim1=-2, dim2=-1).add_(diag)
         return out
 
-    def gram(self, X: torch.Tensor, tall: bool) -> torch.Tensor:
-        """The small-side Gram matrices of the batch X: Xᵀ·X when tall, X·Xᵀ otherwise."""
+    def gram(self, X: torch.Tensor, tall: bool, out=None) -> torch.Tensor:
+        """The small-side Gram matrices of the batch X: Xᵀ·X when tall, X·Xᵀ otherwise (in a
+        new tensor, or into `out`)."""
         if self.native:
+            if out is not None:
+                torch.ops.rlx.symmetric_matmul_out(X, X, None, 1.0, 0.0, tall, 0.0, out)
+                return out
             return torch.ops.rlx.symmetric_matmul(X, X, None, 1.0, 0.0, tall)
-        return torch.bmm(X.mT, X) if tall else torch.bmm(X, X.mT)
+        lhs, rhs = (X.mT, X) if tall else (X, X.mT)
+        return torch.bmm(lhs, rhs, out=out) if out is not None else torch.bmm(lhs, rhs)
 
 
 # The AMX op runs each matrix on one core with its working set (about 4·m·n + 6·m² bytes) in
@@ -315,21 +357,30 @@ def uses_amx(shape: Sequence[int], device: torch.device, dtype: torch.dtype,
             and amx_kernel_pays())
 
 
-def _iterate(X, schedule, tall, products, method):
+def _iterate(X, schedule, tall, products, method, workspace=None):
     if not tall and uses_amx(X.shape, X.device, X.dtype, method):
         coefficients = [v for step in schedule.coefficients for v in step]
         return torch.ops.rlx.newton_schulz_amx(X.contiguous(), coefficients)
     if uses_gram(X.shape, X.device, method, X.dtype):
         return _gram_iterations(X, schedule, tall, products)
-    for a, b, c in schedule.coefficients:
-        A = products.gram(X, tall)
+    small = X.size(-1) if tall else X.size(-2)
+    square = (X.size(0), small, small)
+
+    def take(role, shape):
+        return workspace.take(role, shape, X) if workspace is not None else None
+
+    for i, (a, b, c) in enumerate(schedule.coefficients):
+        A = products.gram(X, tall, out=take("gram", square))
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
+        # (The iterates alternate between two buffers: a product never writes its input.)
+        X_next = take(f"iterate{i % 2}", X.shape)
         if products.native or X.device.type == "cpu":
             # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm on CPU first copies X into
             # its result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
             # code choices"; with oneDNN's bf16 bmm on AMX too).
-            P = products.sym(A, A, A, alpha=c, beta=b, diag=a)  # a·I + b·A + c·A²
-            X = torch.bmm(X, P) if tall else torch.bmm(P, X)
+            P = products.sym(A, A, A, alpha=c, beta=b, diag=a, out=take("poly", square))
+            lhs, rhs = (X, P) if tall else (P, X)
+            X = torch.bmm(lhs, rhs, out=X_next) if X_next is not None else torch.bmm(lhs, rhs)
         else:
             B = products.sym(A, A, A, alpha=c, beta=b)  # b·A + c·A²
             X = torch.baddbmm(X, X, B, beta=a) if tall else torch.baddbmm(X, B, X, beta=a)
