@@ -38,11 +38,11 @@
 namespace rlx {
 namespace {
 
-constexpr int64_t kRows = 8;   // MR: rows of a tile (one broadcast each per k pair)
+[[maybe_unused]] constexpr int64_t kRows = 8;   // MR: rows of a tile (one broadcast each per k pair)
 constexpr int64_t kCols = 32;  // NR: columns of a tile, two 16-lane float32 vectors
 // k values per pass over a tile: up to this k its float32 sums stay in registers and b's
 // packed panel (64 KiB) streams from L2; longer k is summed in passes through Scratch::acc.
-constexpr int64_t kBlockK = 1024;
+[[maybe_unused]] constexpr int64_t kBlockK = 1024;
 constexpr size_t kKeepPacked = size_t(1) << 20;  // uint32 pairs: 4 MiB per operand
 
 // RLX_NO_AVX512_BF16=1 forces the fallback (tests of it; a way around a suspected CPU issue).
@@ -346,10 +346,10 @@ struct Problem {
   float alpha, beta, diag;
 };
 
+#if RLX_HAVE_AVX512_BF16_PATH
 // Makes panel q of operand src (matrix n) present in dst.
 void ensure_packed(const Problem& pr, const uint16_t* src, std::vector<uint32_t>& dst,
                    std::vector<char>& have, int64_t q) {
-#if RLX_HAVE_AVX512_BF16_PATH
   using namespace isa_avx512bf16;
   if (have[q]) return;
   const int64_t x0 = q * kCols, nr = std::min(kCols, pr.m - x0);
@@ -360,8 +360,8 @@ void ensure_packed(const Problem& pr, const uint16_t* src, std::vector<uint32_t>
     pack_rows(src + x0 * pr.kdim, pr.kdim, nr, 0, pr.kdim, pr.kdim, d);
   }
   have[q] = 1;
-#endif
 }
+#endif
 
 // One column panel [j0, j0 + nr) of matrix n: the rows i < j0 + nr (all tiles that hold an
 // upper-triangle entry of the panel), then the epilogue writes out[i][j] and out[j][i] for
