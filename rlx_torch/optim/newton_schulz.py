@@ -388,13 +388,13 @@ def _iterate(X, schedule, tall, products, method, workspace=None):
     for i, (a, b, c) in enumerate(schedule.coefficients):
         A = products.gram(X, tall, out=take("gram", square))
         # B is a polynomial in the symmetric A, so X·B == (B·Xᵀ)ᵀ for the tall case.
-        # (The iterates alternate between two buffers: a product never writes its input.)
-        X_next = take(f"iterate{i % 2}", X.shape)
         if products.native or X.device.type == "cpu":
             # a·X + B·X as (a·I + B)·X: a plain bmm, where baddbmm on CPU first copies X into
             # its result, a sizeable part of the product (docs/benchmarks.md, "Figures behind
             # code choices"; with oneDNN's bf16 bmm on AMX too).
             P = products.sym(A, A, A, alpha=c, beta=b, diag=a, out=take("poly", square))
+            # (the iterates alternate between two buffers: a product never writes its input)
+            X_next = take(f"iterate{i % 2}", X.shape)
             lhs, rhs = (X, P) if tall else (P, X)
             X = torch.bmm(lhs, rhs, out=X_next) if X_next is not None else torch.bmm(lhs, rhs)
         else:
