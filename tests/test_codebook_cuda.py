@@ -11,6 +11,9 @@ from test_codebook import (
     reference_in_float64,
     tolerances,
 )
+from test_codebook_16bit import TOL as TOL16
+from test_codebook_16bit import make as make16
+from test_codebook_16bit import reference as reference16
 from test_codebook_linear import structured_linear
 
 import rlx_torch
@@ -372,3 +375,175 @@ def test_codebook_layer_trains_with_muon_on_cuda():
     from test_muon import _train_codebook_layer
 
     _train_codebook_layer(rlx_torch.codebook_matmul, "cuda")
+
+
+# ---- 16-bit codes (AQLM's 1x16 / 2x16: int16 or uint16 indices, E up to 65536) ----
+# csrc/cuda/codebook_codes16.cu: the small-batch forward up to 8 rows (dequantize + cuBLAS
+# above), dC from x up to 16 rows (from dW above), dx through the dequantized weight.
+
+# rows (1, 5: the small-batch forward; 16: the dense forward with dC from x; 40: dC from dW;
+# (2, 3): leading dimensions), N, K/D, D, E, M
+SHAPES16 = [
+    (1, 37, 45, 8, 65536, 1),
+    (5, 33, 40, 8, 65536, 2),
+    (16, 21, 37, 8, 300, 1),
+    (40, 17, 24, 8, 65536, 1),
+    (1, 19, 13, 4, 300, 2),
+    (5, 23, 9, 3, 1000, 1),  # D = 3: the run-time D loops
+    (40, 29, 6, 12, 300, 2),
+    ((2, 3), 15, 8, 8, 65536, 1),
+]
+
+
+def check_codes16_against_reference(x, idx, cb, s, b, tol):
+    """Forward and all four gradients on the GPU against autograd through the float64
+    reference of tests/test_codebook_16bit.py (inputs given on the CPU)."""
+    leaves = [t.cuda().requires_grad_() for t in (x, cb, s, b)]
+    out = rlx_torch.codebook_matmul(leaves[0], idx.cuda(), *leaves[1:])
+    assert out.is_cuda and out.dtype == x.dtype and out.shape == (*x.shape[:-1], idx.shape[0])
+    up = [t.double().requires_grad_() for t in (x, cb, s, b)]
+    want_out = reference16(up[0], idx, *up[1:])
+    torch.testing.assert_close(out.detach().cpu().double(), want_out.detach(), atol=tol * 10,
+                               rtol=tol)
+    grad_out = torch.randn(out.shape).to(x.dtype)
+    got = torch.autograd.grad(out, leaves, grad_out.cuda())
+    want = torch.autograd.grad(want_out, up, grad_out.double())
+    for name, g, w in zip(["x", "codebook", "scales", "bias"], got, want, strict=True):
+        assert g.is_cuda and g.dtype == x.dtype and g.shape == w.shape, name
+        scale = w.abs().max().clamp_min(1)
+        torch.testing.assert_close(g.cpu().double() / scale, w / scale, atol=tol * 10, rtol=tol,
+                                   msg=name)
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int16, torch.uint16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", SHAPES16, ids=str)
+def test_codes16_forward_and_backward_match_reference(shape, dtype, index_dtype):
+    rows, n, groups, d, e, m = shape
+    x, idx, cb, s, b = make16(rows, n, groups, d, e, m, dtype, index_dtype, seed=n + groups)
+    check_codes16_against_reference(x, idx, cb, s, b, TOL16[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_codes16_layer_sized_forward(rows, dtype):
+    # a 1x16 layer's shape (K = 2048, codes over the whole 16 bits), the small-batch forward
+    x, idx, cb, s, b = make16(rows, 256, 256, 8, 65536, 1, dtype, seed=rows)
+    out = rlx_torch.codebook_matmul(*cuda(x, idx, cb, s, b))
+    torch.testing.assert_close(out.cpu().double(), reference16(x, idx, cb, s, b),
+                               atol=TOL16[dtype] * 10, rtol=TOL16[dtype])
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_codes16_agrees_with_cpu_kernel(rows):
+    x, idx, cb, s, b = make16(rows, 70, 48, 8, 65536, 2)
+    grad_out = torch.randn(rows, 70)
+    out = rlx_torch.codebook_matmul(*cuda(x, idx, cb, s, b))
+    torch.testing.assert_close(out.cpu(), rlx_torch.codebook_matmul(x, idx, cb, s, b),
+                               atol=1e-4, rtol=1e-5)
+    got = torch.ops.rlx.codebook_matmul_backward(*cuda(grad_out, x, idx, cb, s), [True] * 4)
+    want = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, [True] * 4)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.cpu(), w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_codes16_non_contiguous_and_misaligned_inputs(rows):
+    # x and the codebook 2 bytes past a 16-byte boundary (the element loads), transposed
+    # indices and codebook, a strided scales vector
+    dtype = torch.float16
+    x, idx, cb, s, b = make16(rows, 13, 6, 8, 65536, 2, dtype)
+    xbuf = torch.zeros(x.numel() + 8, dtype=dtype, device="cuda")
+    xg = xbuf[1:1 + x.numel()].view_as(x).copy_(x)
+    cbuf = torch.zeros(cb.numel() + 8, dtype=dtype, device="cuda")
+    cbg = cbuf[1:1 + cb.numel()].view_as(cb).copy_(cb)
+    idx_nc = idx.cuda().transpose(0, 1).contiguous().transpose(0, 1)
+    cb_nc = cb.cuda().transpose(1, 2).contiguous().transpose(1, 2)
+    s_nc = torch.stack([s, s], 1).cuda()[:, 0]
+    want = reference16(x, idx, cb, s, b)
+    tol = TOL16[dtype]
+    for args in ((xg, idx.cuda(), cbg, s.cuda(), b.cuda()), (x.cuda(), idx_nc, cb_nc, s_nc,
+                                                              b.cuda())):
+        out = rlx_torch.codebook_matmul(*args)
+        torch.testing.assert_close(out.cpu().double(), want, atol=tol * 10, rtol=tol)
+    grad_out = torch.randn(rows, 13).to(dtype)
+    a = torch.ops.rlx.codebook_matmul_backward(grad_out.cuda(), xg, idx.cuda(), cbg, s.cuda(),
+                                               [True] * 4)
+    c = torch.ops.rlx.codebook_matmul_backward(grad_out.cuda(), x.cuda(), idx_nc, cb_nc, s_nc,
+                                               [True] * 4)
+    for g, h in zip(a, c, strict=True):
+        torch.testing.assert_close(g, h)
+
+
+@pytest.mark.parametrize("rows,n,groups", [(0, 7, 3), (3, 0, 2), (3, 5, 0)])
+def test_codes16_empty_dims(rows, n, groups):
+    x, idx, cb, s, b = (t.requires_grad_() if t.is_floating_point() else t
+                        for t in cuda(*make16(rows, n, groups, d=8, e=500)))
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    assert out.shape == (rows, n) and out.is_cuda
+    if groups == 0:  # no products: the bias alone
+        torch.testing.assert_close(out.detach(), b.detach().expand(rows, n))
+    gx, gc, gs, gb = torch.autograd.grad(out.sum(), (x, cb, s, b))
+    assert gx.shape == x.shape and not gx.any()
+    assert gc.shape == cb.shape and not gc.any()
+    assert gs.shape == s.shape and not gs.any()
+    torch.testing.assert_close(gb, torch.full_like(b, rows))
+
+
+@pytest.mark.parametrize("rows,m", [(3, 1), (3, 2), (20, 1)])
+def test_codes16_gradcheck(rows, m):
+    x, idx, cb, s, b = cuda(*make16(rows, 7, 3, d=4, e=300, m=m, dtype=torch.float64))
+    args = [t.requires_grad_() for t in (x, cb, s, b)]
+    assert torch.autograd.gradcheck(lambda *a: rlx_torch.codebook_matmul(a[0], idx, *a[1:]), args)
+
+
+@pytest.mark.parametrize("rows", [5, 20])
+def test_codes16_opcheck(rows):
+    x, idx, cb, s, b = cuda(*make16(rows, 9, 3, d=4, e=700, m=2))
+    grad_out = torch.randn(rows, 9, device="cuda")
+    for ix in (idx, idx.view(torch.uint16)):
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul.default, (x, ix, cb, s, b))
+        torch.library.opcheck(torch.ops.rlx.codebook_matmul.default, (x[0], ix, cb, None, None))
+        for mask in ([True] * 4, [True, False, False, True], [False, True, False, False]):
+            torch.library.opcheck(torch.ops.rlx.codebook_matmul_backward.default,
+                                  (grad_out, x, ix, cb, s, mask))
+
+
+@pytest.mark.parametrize("rows", [1, 5, 40])
+def test_codes16_out_of_range_index_raises(rows):
+    x, idx, cb, s, b = make16(rows, 9, 4, e=1000)
+    idx[3, 1] = 1000
+    x, idx, cb, s, b = cuda(x, idx, cb, s, b)
+    with pytest.raises(ValueError, match="indices must be < E=1000"):
+        rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    with pytest.raises(ValueError, match="indices must be < E=1000"):
+        torch.ops.rlx.codebook_matmul_backward(torch.ones(rows, 9, device="cuda"), x, idx, cb, s,
+                                               [True] * 4)
+    idx[3, 1] = -1  # 65535 as a 16-bit code
+    for ix in (idx, idx.view(torch.uint16)):
+        with pytest.raises(ValueError, match="found 65535"):
+            rlx_torch.codebook_matmul(x, ix, cb, s, b)
+
+
+@pytest.mark.parametrize("e", [65536, 300])
+@pytest.mark.parametrize("rows", [1, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_codes16_deterministic_across_calls(rows, dtype, e):
+    # codes from 4 entries: long segments in the dcodebook kernel
+    x, idx, cb, s, b = cuda(*make16(rows, 300, 64, 8, e, 2, dtype))
+    idx = (idx.long() % 4 + (e - 4)).to(torch.int32)
+    idx = (idx - 65536 * (idx >= 32768)).to(torch.int16)
+    grad_out = torch.randn(rows, 300, device="cuda").to(dtype)
+    out = rlx_torch.codebook_matmul(x, idx, cb, s, b)
+    grads = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, [True] * 4)
+    for _ in range(2):
+        assert torch.equal(rlx_torch.codebook_matmul(x, idx, cb, s, b), out)
+        again = torch.ops.rlx.codebook_matmul_backward(grad_out, x, idx, cb, s, [True] * 4)
+        for g, h in zip(again, grads, strict=True):
+            assert torch.equal(g, h)
+
+
+def test_codes16_half_codebook_with_float32_x_stays_cpu_only():
+    x, idx, cb, s, b = cuda(*make16(2, 10, 4, e=500))
+    with pytest.raises(ValueError, match="codebook must have x's dtype"):
+        rlx_torch.codebook_matmul(x, idx, cb.half(), s, b)

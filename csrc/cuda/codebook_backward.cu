@@ -5,6 +5,7 @@
 // partials summed in a fixed order); dC by a scatter kernel that computes each dW[j, g, :] on
 // the fly from x, never storing dW. Large batches: dx and dW through cuBLAS, then the same
 // scatter kernel reads dW.
+// 16-bit codes take codebook_codes16.cu after the checks and the empty-input case.
 //
 // Determinism without float atomics: in the scatter, a warp walks its rows j in a fixed order;
 // lanes whose codes collide (found with __match_any_sync) add in lane order, one rank at a
@@ -198,14 +199,6 @@ void set_smem(const void* kernel, size_t smem) {
   }
 }
 
-// a @ b with the result in the accumulation type (fp32 for half inputs, through cuBLAS's
-// fp32 output).
-at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16)
-    return at::mm(a, b, at::kFloat);
-  return at::mm(a, b);
-}
-
 template <typename scalar_t>
 at::Tensor dcodebook(const Dims& d, const at::Tensor& idx, const at::Tensor& gs,
                      const at::Tensor& x2d, const at::Tensor& dW, cudaStream_t stream) {
@@ -287,6 +280,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(
     if (mask[3]) db = g2d.to(acc_type).sum(0).to(dtype);
     return {dx, dC, ds, db};
   }
+  if (d.index_bytes == 2) return backward_codes16(grad_out, x, indices, codebook, scales, mask, d);
   auto x2d = x.reshape({d.rows, d.in_features}).contiguous();
   auto idx = indices.contiguous();
   auto cb = codebook.contiguous();

@@ -21,7 +21,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <array>
 #include <cstdint>
+#include <optional>
+#include <tuple>
 
 #include "rlx/acc_type.h"
 #include "rlx/codebook.h"
@@ -360,9 +363,11 @@ at::Tensor dequantize(const Dims& d, const at::Tensor& idx, const at::Tensor& cb
   return W;
 }
 
-// Checks that are CUDA's own, after the shared check_inputs: 8-bit codes only, every tensor on
-// one CUDA device, and a codebook that fits in shared memory.
+// Checks that are CUDA's own, after the shared check_inputs: 8-bit codes with a codebook that
+// fits in shared memory, or 16-bit codes (codebook_codes16.cu: read from global memory, any
+// size), every tensor on one CUDA device.
 inline void check_cuda_inputs(const at::Tensor& x, const at::Tensor& indices, const Dims& d) {
+  if (d.index_bytes == 2) return;
   TORCH_CHECK_VALUE(indices.scalar_type() == at::kByte,
                     "codebook_matmul: indices must be uint8 on CUDA, got ", indices.scalar_type());
   const int64_t bytes = d.num_codebooks * d.num_entries * d.entry_dim *
@@ -372,20 +377,48 @@ inline void check_cuda_inputs(const at::Tensor& x, const at::Tensor& indices, co
                     " entries) must fit in 96 KiB of shared memory in the accumulation type");
 }
 
-// E < 256 leaves uint8 values that would read past the codebook. The check reads one byte
-// back to the host, so it synchronizes; with E = 256 (the usual AQLM layout) no value can be
-// out of range and nothing is checked or synchronized.
+// Codes at or past E would read past the codebook. With every code value valid (E = 256 for
+// uint8, E = 65536 for 16-bit codes, the usual AQLM layouts) nothing is checked. Otherwise
+// the largest code is read back to the host, so the check synchronizes. 16-bit codes are
+// compared as their uint16 value (int16 read modulo 2^16), as on the CPU.
 inline void check_index_range(const at::Tensor& indices, const Dims& d) {
+  if (d.index_bytes == 2) {
+    if (d.num_entries >= 65536 || indices.numel() == 0) return;
+    const int64_t top =
+        indices.view(at::kShort).to(at::kInt).bitwise_and(0xFFFF).max().item<int32_t>();
+    TORCH_CHECK_VALUE(top < d.num_entries, "codebook_matmul: indices must be < E=",
+                      d.num_entries, " (the number of codebook entries), found ", top);
+    return;
+  }
   if (d.num_entries >= 256 || indices.numel() == 0) return;
   const int64_t top = indices.max().item<uint8_t>();
   TORCH_CHECK_VALUE(top < d.num_entries, "codebook_matmul: indices must be < E=", d.num_entries,
                     " (the number of codebook entries), found ", top);
 }
 
+// a @ b with the result in the accumulation type (fp32 for half inputs, through cuBLAS's
+// fp32 output).
+inline at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16)
+    return at::mm(a, b, at::kFloat);
+  return at::mm(a, b);
+}
+
+// The 16-bit-code path (codebook_codes16.cu), after the checks above and check_index_range,
+// on x's device: the forward, and the backward of inputs with at least one row, output and
+// group.
+at::Tensor forward_codes16(const at::Tensor& x, const at::Tensor& indices,
+                           const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+                           const std::optional<at::Tensor>& bias, const Dims& d);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_codes16(
+    const at::Tensor& grad_out, const at::Tensor& x, const at::Tensor& indices,
+    const at::Tensor& codebook, const std::optional<at::Tensor>& scales,
+    std::array<bool, 4> mask, const Dims& d);
+
 // Batches above this many rows take the dense (dequantize + cuBLAS) path: forward above 4 rows
 // (the 16-bit D = 8 forward with M <= 2 takes codebook_mma.cuh's kernel up to 16 rows),
 // backward above 16 (where its scatter from x still beats dW through cuBLAS; H200 timings in
-// docs/cuda.md).
+// docs/cuda.md). uint8 codes only: 16-bit codes have their own (codebook_codes16.cu).
 inline bool use_dense(const Dims& d) { return d.rows > 4; }
 inline bool use_dense_backward(const Dims& d) { return d.rows > 16; }
 

@@ -1,6 +1,6 @@
 // CUDA kernel registration for rlx::codebook_matmul (the kernels are in codebook_cuda.cuh,
 // codebook_gemv.cuh, codebook_lut.cuh and codebook_mma.cuh; the backward in
-// codebook_backward.cu).
+// codebook_backward.cu; 16-bit codes in codebook_codes16.cu).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -201,6 +201,7 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
   check_cuda_inputs(x, indices, d);
   const c10::cuda::CUDAGuard guard(x.device());
   check_index_range(indices, d);
+  if (d.index_bytes == 2) return forward_codes16(x, indices, codebook, scales, bias, d);
   auto out = at::empty(output_shape(x, d), x.options());
   if (out.numel() == 0) return out;
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
