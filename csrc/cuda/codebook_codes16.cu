@@ -3,7 +3,7 @@
 // backward_cuda (codebook_forward.cu, codebook_backward.cu) route here after their checks.
 //
 // Forward: up to kMaxSmallBatch rows, forward_small_kernel (no dense weight); above, the
-// dequantized weight (scales folded in) through cuBLAS (at::addmm / at::mm).
+// dequantized weight through cuBLAS (dense_forward, codebook_cuda.cuh).
 // Backward, with gs = grad_out * scales:
 //   dx = grad_out @ W (W the scaled weight in x's dtype; cuBLAS with a float32 output for
 //        16-bit inputs);
@@ -182,13 +182,9 @@ at::Tensor forward_codes16(const at::Tensor& x, const at::Tensor& indices,
       launch_forward_small<scalar_t, false>(d, x2d, idx16, cb, s, bs, out2d.data_ptr(), stream);
       return;
     }
-    // The scales are folded into the dequantized weight, the bias into cuBLAS's epilogue.
-    const at::Tensor W = dequantize16<scalar_t>(d, idx16, cb, s, stream);
-    if (bs.defined()) {
-      at::addmm_out(out2d, bs, x2d, W.t());
-    } else {
-      at::mm_out(out2d, x2d, W.t());
-    }
+    dense_forward(x2d, s, bs, out2d, [&](const at::Tensor& w_scales) {
+      return dequantize16<scalar_t>(d, idx16, cb, w_scales, stream);
+    });
   });
   return out;
 }

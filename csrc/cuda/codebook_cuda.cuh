@@ -7,8 +7,8 @@
 // batch rows of its tile; a fixed butterfly of shuffles reduces the lanes. The dense N x K
 // weight is never built.
 //
-// Large batches (dense path): one kernel dequantizes the (scaled) weight into x's dtype and
-// cuBLAS multiplies it through at::addmm / at::mm.
+// Large batches (dense path): one kernel dequantizes the weight into x's dtype and cuBLAS
+// multiplies it (dense_forward).
 //
 // Determinism: every output element is the result of one fixed sequence of operations (no
 // float atomics anywhere), so identical inputs give bitwise identical outputs.
@@ -402,6 +402,31 @@ inline at::Tensor mm_acc(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() == at::kHalf || a.scalar_type() == at::kBFloat16)
     return at::mm(a, b, at::kFloat);
   return at::mm(a, b);
+}
+
+// out2d = (x2d W^T) * scales + bias for the dense (dequantize + cuBLAS) forwards, where
+// dequant(scales or an undefined tensor) returns W in x's dtype. For 16-bit x the scales stay
+// out of W and the product is summed, scaled and biased in float32, then rounded once: a W
+// scaled in 16 bits would round every weight once more, an error the math does not have that
+// grows with sqrt(K) (it exceeded the tests' tolerance at K = 1040). float32 and float64 fold
+// the scales into W (rounded in that dtype) and take the bias in cuBLAS's epilogue.
+template <typename Dequant>
+void dense_forward(const at::Tensor& x2d, const at::Tensor& scales, const at::Tensor& bias,
+                   at::Tensor& out2d, Dequant dequant) {
+  const at::ScalarType dtype = x2d.scalar_type();
+  if (dtype == at::kHalf || dtype == at::kBFloat16) {
+    at::Tensor acc = mm_acc(x2d, dequant(at::Tensor()).t());
+    if (scales.defined()) acc.mul_(scales.to(at::kFloat));
+    if (bias.defined()) acc.add_(bias.to(at::kFloat));
+    out2d.copy_(acc);
+    return;
+  }
+  const at::Tensor W = dequant(scales);
+  if (bias.defined()) {
+    at::addmm_out(out2d, bias, x2d, W.t());
+  } else {
+    at::mm_out(out2d, x2d, W.t());
+  }
 }
 
 // The 16-bit-code path (codebook_codes16.cu), after the checks above and check_index_range,

@@ -237,13 +237,11 @@ at::Tensor forward_cuda(const at::Tensor& x, const at::Tensor& indices, const at
       }
     }
     if (use_dense(d)) {
-      // The scales are folded into the dequantized weight, the bias into cuBLAS's epilogue.
-      const at::Tensor W = dequantize<scalar_t>(d, idx, cb, sp, x.scalar_type(), stream);
-      if (bs.defined()) {
-        at::addmm_out(out2d, bs, x2d, W.t());
-      } else {
-        at::mm_out(out2d, x2d, W.t());
-      }
+      dense_forward(x2d, s, bs, out2d, [&](const at::Tensor& w_scales) {
+        return dequantize<scalar_t>(d, idx, cb,
+                                    w_scales.defined() ? w_scales.data_ptr<scalar_t>() : nullptr,
+                                    x.scalar_type(), stream);
+      });
       return;
     }
     launch_direct_forward<scalar_t, scalar_t>(d, x2d.data_ptr<scalar_t>(),
