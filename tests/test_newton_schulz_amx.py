@@ -152,4 +152,10 @@ def test_newton_schulz_takes_the_op_where_amx_pays():
     if ns_module.uses_amx(X.shape, cpu, torch.bfloat16):
         expected = newton_schulz_amx(X, schedule.coefficients)
         assert torch.equal(out, expected)
-    assert rel(out, reference(X, schedule.coefficients)) < 3e-2
+        assert rel(out, reference(X, schedule.coefficients)) < 3e-2
+    else:
+        # The other routes round to bf16 at other points than the op (torch's bf16 bmm and
+        # baddbmm: A @ A and b A + c A^2 separately); over 5 steps that alone moves the
+        # result by 2-4% (two float64 references rounding at those two sets of points differ
+        # by 2.3%). A wrong step count is off by over 30%.
+        assert rel(out, reference(X, schedule.coefficients)) < 6e-2
