@@ -2,9 +2,10 @@
 for a per-head gate and 16-bit inputs; RLX_CUDA_GATED_DELTA_CHUNKED=0 selects the token
 backward): against the token backward on the same forward outputs and the float64 reference,
 on T < 64, T = 64, T not a multiple of 64, ragged K and V, GVA with varlen and an empty
-sequence, g = -30, an initial state and chunk_size 128; and bitwise determinism. Needs a GPU:
-skips cleanly without one. (The chunked forward's tests, which also run this backward, are in
-test_gated_delta_cuda.py.)"""
+sequence, g = -30, an initial state and chunk_size 128; and bitwise determinism. The same for
+the per-channel gate (KDA, gated_delta_chunk_kda*.cuh): its chunked forward against the token
+forward (o, final state, checkpoints). Needs a GPU: skips cleanly without one. (The per-head
+chunked forward's tests, which also run this backward, are in test_gated_delta_cuda.py.)"""
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from tests.test_gated_delta_cuda import (
     cotangents,
     forward_backward,
     make_inputs,
+    rel_rms,
     to,
 )
 
@@ -98,3 +100,59 @@ def test_chunked_backward_deterministic_bitwise(monkeypatch):
         again = _op_grads(inputs, cot, 64, False, True, True, monkeypatch)
         for name in first:
             assert torch.equal(first[name], again[name]), name
+
+
+KDA_CASES = {  # the per-channel gate (KDA): the chunked kernels take K <= 128
+    "T20_state": dict(B=2, T=20, H=2, HV=2, K=32, V=32, state=True),
+    "T64": dict(B=1, T=64, H=1, HV=1, K=64, V=64),
+    "T1000_K128_state": dict(B=2, T=1000, H=2, HV=2, K=128, V=128, state=True),
+    "odd_k_v_state": dict(B=1, T=130, H=1, HV=1, K=37, V=23, state=True),
+    "gva_varlen_empty": dict(B=1, T=700, H=1, HV=3, K=64, V=96, state=True,
+                             cu_seqlens=[0, 64, 64, 65, 400, 700]),
+    "ragged_kv_l2norm": dict(B=1, T=200, H=2, HV=2, K=40, V=70, normalize_k=False,
+                             use_qk_l2norm=True),
+    "strong_decay": dict(B=1, T=300, H=1, HV=2, K=64, V=64, state=True, g_scale=30.0),
+    "chunk128": dict(B=1, T=300, H=1, HV=1, K=32, V=32, state=True, chunk_size=128),
+    # V = 256: the chunked forward, and the token backward (the chunked one takes V <= 128)
+    "V256": dict(B=1, T=200, H=1, HV=1, K=128, V=256, state=True),
+}
+
+
+def _kda_inputs(case, dtype):
+    l2, kw = _split(KDA_CASES[case])
+    chunk_size = kw.pop("chunk_size", 64)
+    g_scale = kw.pop("g_scale", None)
+    cpu_inputs = make_inputs(dtype=dtype, per_channel=True, **kw)
+    if g_scale is not None:  # down to -g_scale per step: exp of cumulative gates would overflow
+        gen = torch.Generator().manual_seed(3)
+        cpu_inputs["g"] = -g_scale * torch.rand(cpu_inputs["g"].shape, generator=gen)
+    return to(cpu_inputs, CUDA), l2, chunk_size
+
+
+def _forward_outputs(inputs, chunk_size, l2, chunked, monkeypatch):
+    monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if chunked else "0")
+    x = inputs
+    return torch.ops.rlx.gated_delta_fwd(x["q"], x["k"], x["v"], x["g"], x["beta"], 0.3,
+                                         x["initial_state"], x["cu_seqlens"], chunk_size,
+                                         1e-6 if l2 else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", KDA_CASES)
+def test_kda_chunked_forward_matches_token_forward(case, dtype, monkeypatch):
+    """The per-channel gate's chunked forward (16-bit products) against the token recurrence:
+    o, the final state and the checkpoints (which either backward reads), no vw (gdn_keeps_vw);
+    and not bitwise equal to it, so the chunked kernels did run."""
+    inputs, l2, chunk_size = _kda_inputs(case, dtype)
+    token = _forward_outputs(inputs, chunk_size, l2, False, monkeypatch)
+    chunked = _forward_outputs(inputs, chunk_size, l2, True, monkeypatch)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    names = ("o", "ht", "checkpoints")
+    for name, a, e in zip(names, chunked[:3], token[:3], strict=True):
+        assert torch.isfinite(a.double()).all(), (case, name)
+        if name == "checkpoints":  # the tag in the last slot is the host's, equal in both
+            a, e = a[:-1], e[:-1]
+        err = rel_rms(a, e) if e.numel() else 0.0
+        assert err <= tol, f"{case}, {dtype}: {name} rel RMS {err:.2e} > {tol:.1e}"
+    assert chunked[3].numel() == 0 and token[3].numel() == 0  # no vw for a per-channel gate
+    assert not torch.equal(chunked[0], token[0]), "the chunked forward did not run"

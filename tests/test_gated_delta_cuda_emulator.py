@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rlx_torch.ops import reference
 from tests.cuda_emu import build_emulator
 
 
@@ -109,14 +110,26 @@ CHUNK_CASES = {
     "K128_narrow": dict(B=1, T=70, H=1, HV=1, K=72, V=20, state=True, chunk=128, narrow=True),
     "strong_decay": dict(B=1, T=100, H=1, HV=1, K=8, V=8, state=True, g_scale=30.0),
     "T1_no_ckpt": dict(B=1, T=1, H=1, HV=1, K=4, V=4, state=True, chunk=0),
+    # a per-channel gate (KDA, gated_delta_chunk_kda.cuh)
+    "kda_T65_state": dict(B=2, T=65, H=2, HV=2, K=8, V=8, state=True, per_channel=True),
+    "kda_T130_odd_k_v": dict(B=1, T=130, H=1, HV=1, K=37, V=23, per_channel=True),
+    "kda_gva_varlen_empty": dict(B=1, T=150, H=1, HV=2, K=16, V=24, state=True,
+                                 cu=[0, 64, 64, 150], per_channel=True),
+    "kda_K128_narrow_chunk128": dict(B=1, T=200, H=1, HV=1, K=100, V=72, state=True,
+                                     chunk=128, narrow=True, per_channel=True),
+    "kda_strong_decay": dict(B=1, T=100, H=1, HV=1, K=24, V=8, state=True, g_scale=30.0,
+                             per_channel=True),
+    "kda_T1_no_ckpt": dict(B=1, T=1, H=1, HV=1, K=4, V=4, state=True, chunk=0,
+                           per_channel=True),
 }
 
 
 @pytest.mark.parametrize("case", list(CHUNK_CASES))
 def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
     """The chunked kernels (bf16 products, as on the GPU for bf16 inputs) against the CPU op on
-    the same bf16-rounded q, k, v in float32: o, final state, the checkpoints and vw."""
-    c = dict(state=False, cu=None, chunk=64, narrow=False, g_scale=None)
+    the same bf16-rounded q, k, v in float32: o, final state, the checkpoints and vw. A
+    per-channel gate's also against the float64 reference (o and final state)."""
+    c = dict(state=False, cu=None, chunk=64, narrow=False, g_scale=None, per_channel=False)
     c.update(CHUNK_CASES[case])
     B, T, H, HV, K, V = (c[n] for n in ("B", "T", "H", "HV", "K", "V"))
     gen = torch.Generator().manual_seed(1)
@@ -124,9 +137,10 @@ def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
     q = bf(torch.randn(B, T, H, K, generator=gen))
     k = bf(F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1))
     v = bf(torch.randn(B, T, HV, V, generator=gen))
-    g = F.logsigmoid(torch.randn(B, T, HV, generator=gen) + 2.0)
+    g_shape = (B, T, HV, K) if c["per_channel"] else (B, T, HV)
+    g = F.logsigmoid(torch.randn(g_shape, generator=gen) + 2.0)
     if c["g_scale"] is not None:  # down to -g_scale per step: exp of cumsums would overflow
-        g = -c["g_scale"] * torch.rand(B, T, HV, generator=gen)
+        g = -c["g_scale"] * torch.rand(g_shape, generator=gen)
     beta = torch.rand(B, T, HV, generator=gen)
     cu = torch.tensor(c["cu"]) if c["cu"] else None
     N = len(c["cu"]) - 1 if c["cu"] else B
@@ -138,11 +152,21 @@ def test_emulated_chunked_forward_matches_cpu(case, chunk_emulator, tmp_path):
     args = [chunk_emulator, str(tmp_path), B, T, H, HV, K, V, int(h0 is not None), chunk, scale,
             len(c["cu"] or [])] + list(c["cu"] or [])
     env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",  # a missing barrier shows (cuda_shim.h)
-               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}))
+               **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}),
+               **({"RLX_EMU_PER_CHANNEL": "1"} if c["per_channel"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
     o, ht, ckpt, vw = torch.ops.rlx.gated_delta_fwd(q, k, v, g, beta, scale, h0, cu, chunk, None)
+    assert (vw.numel() > 0) == (chunk > 0 and not c["per_channel"])  # rlx::gdn_keeps_vw
+    if c["per_channel"]:
+        o64, ht64 = reference.gated_delta_rule(
+            q.double(), k.double(), v.double(), g.double(), beta.double(), scale,
+            None if h0 is None else h0.double(), True, cu)
+        for name, want in dict(o=o64, ht=ht64).items():
+            got = _read(str(tmp_path / f"{name}.bin"), want.shape)
+            err = _rel_rms(got, want)
+            assert err < 1e-2, f"{case}: {name} against float64, rel rms {err}"
     expected = dict(o=o, ht=ht, vw=vw)
     if ckpt.numel() > 0:  # the tag in the last slot is the host's, not the kernels'
         expected["ckpt"] = ckpt[:-1]

@@ -317,7 +317,7 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   // forward's vw, which it keeps in every case the chunked path covers (gdn_keeps_vw). K or V
   // above 128 stays on the token backward: the emulator does not reach those tiles, and their
   // GPU tests have not yet finished a run (the forward's have).
-  const bool chunked = chunked_applies(p) && p.head_k_dim <= 128 && p.head_v_dim <= 128 &&
+  const bool chunked = chunked_applies(p, /*backward=*/true) && p.head_k_dim <= 128 && p.head_v_dim <= 128 &&
                        vw.has_value() && vw->numel() > 0;
   // the chunked kernels' dq and dk go straight into the packed buffer when there is nothing
   // to add (one value head per q/k head); wy_kernel then also applies the l2norm backward

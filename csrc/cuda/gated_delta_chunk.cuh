@@ -58,12 +58,17 @@ struct ChunkArgs {
   const uint16_t *q = nullptr, *k = nullptr;  // [tokens, H, K]
   const uint16_t* v = nullptr;
   const float *g = nullptr, *beta = nullptr, *h0 = nullptr;
-  float* G = nullptr;            // [tokens, HV] chunk-local cumulative gate
+  float* G = nullptr;            // [tokens, HV] chunk-local cumulative gate ([tokens, HV, KP]
+                                 // for a per-channel gate)
   uint16_t* W = nullptr;         // [tokens, HV, KP] W'
   uint16_t* U = nullptr;         // [tokens, HV, VP] U' (nullptr: prep_kernel skips it)
   uint16_t* u = nullptr;         // [tokens, HV, VP] beta vw
   uint16_t* hT = nullptr;        // [slots64, HV, VP, KP] state before each chunk, transposed
   uint16_t* Tinv = nullptr;      // optional (the backward's), [tokens, HV, 64] T' rows
+  // per-channel gate only (gated_delta_chunk_kda.cuh): [tokens, HV, KP] Q o e^G and
+  // K o e^(G_last - G), [tokens, HV, 64] the rows of P
+  uint16_t *Qg = nullptr, *Kd = nullptr, *P = nullptr;
+  float* L = nullptr;            // optional (the backward's, per-channel gate): [tokens, HV, 64]
   float* vw = nullptr;           // optional, [tokens, HV, V]
   float *ht = nullptr, *ckpt = nullptr;
   uint16_t* out = nullptr;       // [tokens, HV, V]
@@ -308,6 +313,59 @@ __device__ __forceinline__ void tiles_landed() {
   __syncthreads();
 }
 
+// T' = (I + M)^-1 (M strictly lower, float32 [64][65]) into sT (16-bit, [64][72]) by forward
+// substitution, one column c per thread (x in registers): x_i = delta_ic - sum_{j < i} M_ij x_j
+// (x_j = 0 for j < c). Also T' rows 0 .. len - 1 to Tinv (row stride tinv_stride) when given.
+template <Bits16 kind>
+__device__ __forceinline__ void solve_unit_lower(const float* sM, uint16_t* sT, uint16_t* Tinv,
+                                                 int64_t tinv_stride, int len) {
+  constexpr int ldC = kChunk + kPad;
+  if (threadIdx.x < kChunk) {
+    const int c = threadIdx.x;
+    float x[kChunk];
+#pragma unroll
+    for (int i = 0; i < kChunk; ++i) {
+      float s0 = i == c ? 1.f : 0.f, s1 = 0.f;  // two partial sums: half the dependent chain
+#pragma unroll
+      for (int j = 0; j + 1 < i; j += 2) {
+        s0 -= sM[i * (kChunk + 1) + j] * x[j];
+        s1 -= sM[i * (kChunk + 1) + j + 1] * x[j + 1];
+      }
+      if (i % 2 == 1) s0 -= sM[i * (kChunk + 1) + i - 1] * x[i - 1];
+      x[i] = s0 + s1;
+    }
+    for (int i = 0; i < kChunk; ++i) sT[i * ldC + c] = float_to_bits<kind>(x[i]);
+    if (Tinv != nullptr) {  // (column c of the rows the chunk has)
+      for (int i = 0; i < len; ++i) Tinv[i * tinv_stride + c] = sT[i * ldC + c];
+    }
+  }
+}
+
+// dst rows 0 .. len - 1 (row stride dst_stride) <- T' rhs (rhs [64][cols], leading dim ld),
+// 16-bit: warp w rows 16w.., 64 columns at a time, pads included.
+template <Bits16 kind>
+__device__ __forceinline__ void store_t_product(const uint16_t* sT, const uint16_t* rhs, int ld,
+                                                int cols, uint16_t* dst, int64_t dst_stride,
+                                                int len) {
+  constexpr int ldC = kChunk + kPad;
+  const int lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
+  for (int n0 = 0; n0 < cols; n0 += 64) {
+    float acc[8][4] = {};  // (T' is lower triangular: k up to the warp's rows)
+    warp_mma<kind, false, true, 8>(acc, sT, ldC, 16 * w, rhs, ld, n0, 0, 16 * w + 16, lane);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int i = 16 * w + lane / 4 + 8 * r2, c = n0 + 8 * nt + 2 * (lane % 4);
+        if (i < len) {
+          *reinterpret_cast<uint32_t*>(dst + i * dst_stride + c) =
+              pack2(float_to_bits<kind>(acc[nt][2 * r2]), float_to_bits<kind>(acc[nt][2 * r2 + 1]));
+        }
+      }
+    }
+  }
+}
+
 // ---- prep: G, W' and U' of one chunk and value head (U' only where A.U is set) ------------
 template <Bits16 kind>
 __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) {
@@ -319,7 +377,7 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
   float* sG = dynamic_smem<float>();
   float* sBeta = sG + kChunk;
   float* sM = sBeta + kChunk;  // [64][65] M (float32)
-  const int ldK = KP + kPad, ldV = VP + kPad, ldC = kChunk + kPad;
+  const int ldK = KP + kPad, ldV = VP + kPad;
   uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8]
   uint16_t* sKg = sK + kChunk * ldK;   // [64][KP+8] K o e^G
   uint16_t* sV = sKg + kChunk * ldK;   // [64][VP+8] V
@@ -379,50 +437,15 @@ __global__ void __launch_bounds__(kChunkThreads) prep_kernel(const ChunkArgs A) 
     }
   }
   __syncthreads();
-  // T' = (I + M)^-1 by forward substitution, one column c per thread (x in registers):
-  // x_i = delta_ic - sum_{j < i} M_ij x_j (x_j = 0 for j < c).
-  if (threadIdx.x < kChunk) {
-    const int c = threadIdx.x;
-    float x[kChunk];
-#pragma unroll
-    for (int i = 0; i < kChunk; ++i) {
-      float s0 = i == c ? 1.f : 0.f, s1 = 0.f;  // two partial sums: half the dependent chain
-#pragma unroll
-      for (int j = 0; j + 1 < i; j += 2) {
-        s0 -= sM[i * (kChunk + 1) + j] * x[j];
-        s1 -= sM[i * (kChunk + 1) + j + 1] * x[j + 1];
-      }
-      if (i % 2 == 1) s0 -= sM[i * (kChunk + 1) + i - 1] * x[i - 1];
-      x[i] = s0 + s1;
-    }
-    for (int i = 0; i < kChunk; ++i) sT[i * ldC + c] = float_to_bits<kind>(x[i]);
-    if (A.Tinv != nullptr) {  // (column c of the rows the chunk has)
-      for (int i = 0; i < len; ++i) {
-        A.Tinv[((e.t0 + i) * d.HV + hv) * kChunk + c] = sT[i * ldC + c];
-      }
-    }
-  }
+  solve_unit_lower<kind>(sM, sT, A.Tinv != nullptr ? A.Tinv + (e.t0 * d.HV + hv) * kChunk : nullptr,
+                         int64_t(d.HV) * kChunk, len);
   __syncthreads();
-  // W' = T' (K o e^G), U' = T' V: warp w rows 16w.., 64 columns at a time, pads included
-  auto product = [&](const uint16_t* rhs, int ld, int cols, uint16_t* dst, int64_t stride) {
-    for (int n0 = 0; n0 < cols; n0 += 64) {
-      float acc[8][4] = {};  // (T' is lower triangular: k up to the warp's rows)
-      warp_mma<kind, false, true, 8>(acc, sT, ldC, 16 * w, rhs, ld, n0, 0, 16 * w + 16, lane);
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt) {
-#pragma unroll
-        for (int r2 = 0; r2 < 2; ++r2) {
-          const int i = 16 * w + lane / 4 + 8 * r2, c = n0 + 8 * nt + 2 * (lane % 4);
-          if (i < len) {
-            *reinterpret_cast<uint32_t*>(dst + (e.t0 + i) * stride + c) =
-                pack2(float_to_bits<kind>(acc[nt][2 * r2]), float_to_bits<kind>(acc[nt][2 * r2 + 1]));
-          }
-        }
-      }
-    }
-  };
-  product(sKg, ldK, KP, A.W + int64_t(hv) * KP, int64_t(d.HV) * KP);
-  if (A.U != nullptr) product(sV, ldV, VP, A.U + int64_t(hv) * VP, int64_t(d.HV) * VP);
+  // W' = T' (K o e^G), U' = T' V
+  const int64_t pk_stride = int64_t(d.HV) * KP, pv_stride = int64_t(d.HV) * VP;
+  store_t_product<kind>(sT, sKg, ldK, KP, A.W + e.t0 * pk_stride + int64_t(hv) * KP, pk_stride, len);
+  if (A.U != nullptr) {
+    store_t_product<kind>(sT, sV, ldV, VP, A.U + e.t0 * pv_stride + int64_t(hv) * VP, pv_stride, len);
+  }
 }
 
 __host__ __device__ inline size_t prep_smem(int KP, int VP) {
@@ -431,7 +454,9 @@ __host__ __device__ inline size_t prep_smem(int KP, int VP) {
 }
 
 // ---- output: o of one chunk, value head and 64-column tile ---------------------------------
-template <Bits16 kind>
+// kPerChannel (gated_delta_chunk_kda.cuh): Q is the prep's Q o e^G and P its rows of P, read
+// instead of formed from Q K^T.
+template <Bits16 kind, bool kPerChannel = false>
 __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A) {
   const Dims<float>& d = A.d;
   const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
@@ -447,12 +472,20 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   uint16_t* sU = sST + kOutCols * ldK;                       // [64][72] u
   const int64_t qk_stride = int64_t(d.H) * d.K, pv_stride = int64_t(d.HV) * VP;
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-    sG[i] = i < len ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
+    sG[i] = i < len && !kPerChannel ? A.G[(e.t0 + i) * d.HV + hv] : 0.f;
   }
-  load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                        KP, len, d.K);
-  load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                        KP, len, d.K);
+  if constexpr (kPerChannel) {  // (P in sK's place)
+    const int64_t pk_stride = int64_t(d.HV) * KP;
+    load_tile_async<kind>(sQ, ldK, A.Qg + e.t0 * pk_stride + int64_t(hv) * KP, pk_stride, kChunk,
+                          KP, len, KP);
+    load_tile_async<kind>(sK, ldC, A.P + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
+                          kChunk, kChunk, len, kChunk);
+  } else {
+    load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                          KP, len, d.K);
+    load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                          KP, len, d.K);
+  }
   load_tile_async<kind>(sST, ldK, A.hT + ((e.slot * d.HV + hv) * VP + v0) * KP, int64_t(KP),
                         kOutCols, KP, kOutCols, KP);
   load_tile_async<kind>(sU, ldC, A.u + e.t0 * pv_stride + int64_t(hv) * VP + v0, pv_stride,
@@ -461,7 +494,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   const int g4 = lane / 4, t2 = 2 * (lane % 4);
   // P = [j <= i] (Q K^T) o e^(G_i - G_j), rows 16w .. 16w + 15
   float P[8][4] = {};
-  for (int k0 = 0; k0 < KP; k0 += 16) {
+  for (int k0 = 0; k0 < KP && !kPerChannel; k0 += 16) {
     uint32_t a[4];
     frag_a(a, sQ, ldK, 16 * w, k0, lane);
 #pragma unroll
@@ -471,7 +504,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
     }
   }
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int nt = 0; nt < 8 && !kPerChannel; ++nt)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int i = 16 * w + g4 + 8 * (r / 2), j = 8 * nt + t2 + (r % 2);
@@ -482,10 +515,14 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   for (int kk = 0; kk < 4; ++kk) {  // O = P u: P's accumulators are the A fragments
     if (kk > w) continue;
     uint32_t a[4];
-    a[0] = pack2(float_to_bits<kind>(P[2 * kk][0]), float_to_bits<kind>(P[2 * kk][1]));
-    a[1] = pack2(float_to_bits<kind>(P[2 * kk][2]), float_to_bits<kind>(P[2 * kk][3]));
-    a[2] = pack2(float_to_bits<kind>(P[2 * kk + 1][0]), float_to_bits<kind>(P[2 * kk + 1][1]));
-    a[3] = pack2(float_to_bits<kind>(P[2 * kk + 1][2]), float_to_bits<kind>(P[2 * kk + 1][3]));
+    if constexpr (kPerChannel) {
+      frag_a(a, sK, ldC, 16 * w, 16 * kk, lane);
+    } else {
+      a[0] = pack2(float_to_bits<kind>(P[2 * kk][0]), float_to_bits<kind>(P[2 * kk][1]));
+      a[1] = pack2(float_to_bits<kind>(P[2 * kk][2]), float_to_bits<kind>(P[2 * kk][3]));
+      a[2] = pack2(float_to_bits<kind>(P[2 * kk + 1][0]), float_to_bits<kind>(P[2 * kk + 1][1]));
+      a[3] = pack2(float_to_bits<kind>(P[2 * kk + 1][2]), float_to_bits<kind>(P[2 * kk + 1][3]));
+    }
 #pragma unroll
     for (int nt = 0; nt < 8; nt += 2) {
       mma_pair<kind, true>(O[nt], O[nt + 1], a, sU, ldC, 8 * nt, 16 * kk, lane);
@@ -497,7 +534,7 @@ __global__ void __launch_bounds__(kChunkThreads) output_kernel(const ChunkArgs A
   for (int r2 = 0; r2 < 2; ++r2) {
     const int i = 16 * w + g4 + 8 * r2;
     if (i >= len) continue;
-    const float eg = exp(sG[i]);
+    const float eg = kPerChannel ? 1.f : exp(sG[i]);  // (per channel: in Q o e^G)
     uint16_t* out = A.out + (e.t0 + i) * v_stride + int64_t(hv) * d.V;
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)

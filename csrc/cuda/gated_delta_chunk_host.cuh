@@ -9,21 +9,25 @@
 #include <vector>
 
 #include "gated_delta_chunk.cuh"
+#include "gated_delta_chunk_kda.cuh"
 #include "gated_delta_chunk_state.cuh"
 #include "gated_delta_cuda.cuh"
 
 namespace rlx::gdn::cuda {
 
-// The chunked kernels take one gate per head, 16-bit inputs (their products run on 16-bit
-// operands), K, V <= 256 and checkpoints every multiple of 64 tokens (the states they keep
-// are those at 64-token chunk starts). They are the default wherever they apply;
-// RLX_CUDA_GATED_DELTA_CHUNKED=0 selects the token recurrence instead, for the forward and the
-// backward alike (the tests and bench_gdn_cuda.py compare the two paths that way).
-inline bool chunked_applies(const GdnProblem& p) {
+// The chunked kernels take 16-bit inputs (their products run on 16-bit operands), K, V <= 256
+// and checkpoints every multiple of 64 tokens (the states they keep are those at 64-token
+// chunk starts); a per-channel gate K <= 128 (its prep keeps G in float32 shared memory), and
+// so far only in the forward (the backward takes the token recurrence, which reads the same
+// checkpoints). They are the default wherever they apply; RLX_CUDA_GATED_DELTA_CHUNKED=0
+// selects the token recurrence instead, for the forward and the backward alike (the tests and
+// bench_gdn_cuda.py compare the two paths that way).
+inline bool chunked_applies(const GdnProblem& p, bool backward) {
   const char* flag = std::getenv("RLX_CUDA_GATED_DELTA_CHUNKED");
   if (flag != nullptr && flag[0] == '0' && flag[1] == '\0') return false;
   const bool bits16 = p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16;
-  return bits16 && !p.gate_per_channel && p.head_k_dim <= 256 && p.head_v_dim <= 256 &&
+  const bool gate_ok = !p.gate_per_channel || (p.head_k_dim <= 128 && !backward);
+  return bits16 && gate_ok && p.head_k_dim <= 256 && p.head_v_dim <= 256 &&
          p.chunk % kChunk == 0;
 }
 
@@ -36,6 +40,7 @@ inline uint16_t* bits_of(const at::Tensor& t) {
 // (A.U = nullptr: prep_kernel skips it, and state_kernel, which reads it, must not run).
 struct ChunkPlan {
   at::Tensor table, G, W, U, u, hT;
+  at::Tensor Qg, Kd, P;  // a per-channel gate's (ChunkArgs)
   int64_t chunks = 0;
 };
 
@@ -63,7 +68,17 @@ inline ChunkPlan plan_chunks(const GdnProblem& p, const SeqLens& cu, double scal
     std::memcpy(P.table.data_ptr<int64_t>(), entries.data(), sizeof(ChunkEntry) * entries.size());
   }
   P.table = P.table.to(q.device());
-  P.G = at::empty({p.tokens(), HV}, q.options().dtype(at::kFloat));
+  if (p.gate_per_channel) {
+    P.G = at::empty({p.tokens(), HV, KP}, q.options().dtype(at::kFloat));
+    P.Qg = at::empty({p.tokens(), HV, KP}, v.options());
+    P.Kd = at::empty({p.tokens(), HV, KP}, v.options());
+    P.P = at::empty({p.tokens(), HV, kChunk}, v.options());
+    A.Qg = bits_of(P.Qg);
+    A.Kd = bits_of(P.Kd);
+    A.P = bits_of(P.P);
+  } else {
+    P.G = at::empty({p.tokens(), HV}, q.options().dtype(at::kFloat));
+  }
   P.W = at::empty({p.tokens(), HV, KP}, v.options());
   if (with_U) P.U = at::empty({p.tokens(), HV, VP}, v.options());
   P.u = at::empty({p.tokens(), HV, VP}, v.options());
@@ -102,17 +117,19 @@ void launch_state(const ChunkArgs& A, int64_t num_seqs, cudaStream_t stream) {
   const int64_t blocks = num_seqs * A.d.HV * (A.VP / (8 * NT));
   if (blocks == 0) return;
   const size_t smem = state_smem(64 * MT, 8 * NT);
-  auto kernel = state_kernel<kind, MT, NT>;
+  auto kernel = A.Kd != nullptr ? state_kernel<kind, MT, NT, true> : state_kernel<kind, MT, NT>;
   allow_shared_memory(kernel, smem);
   kernel<<<dim3(unsigned(blocks)), dim3(kChunkThreads), smem, stream>>>(A);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// (the per-channel gate's prep where A.Kd is set: plan_chunks sets it for that gate)
 template <Bits16 kind>
 void launch_prep(const ChunkArgs& A, cudaStream_t stream) {
   if (A.num_chunks == 0) return;
-  const size_t smem = prep_smem(A.KP, A.VP);
-  auto kernel = prep_kernel<kind>;
+  const bool per_channel = A.Kd != nullptr;
+  const size_t smem = per_channel ? kda_prep_smem(A.KP, A.VP) : prep_smem(A.KP, A.VP);
+  auto kernel = per_channel ? kda_prep_kernel<kind> : prep_kernel<kind>;
   allow_shared_memory(kernel, smem);
   kernel<<<dim3(unsigned(A.num_chunks * A.d.HV)), dim3(kChunkThreads), smem, stream>>>(A);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -5,6 +5,8 @@
 // storing S (16-bit, transposed) for output_kernel, S (float32) at the checkpoints, u and vw.
 // The chunk's W', K and U' tiles are copied (cp.async) into the second of two shared-memory
 // buffers while the first is in use, so the serial loop waits on no global load.
+// kPerChannel (a gate per key channel, gated_delta_chunk_kda.cuh): the K tile is the prep's
+// K o e^(G_last - G) and u is not scaled; S's rows decay by e^(G_last) of their channel.
 #pragma once
 
 #include "gated_delta_chunk.cuh"
@@ -22,7 +24,7 @@ struct StateTile {
   }
 };
 
-template <Bits16 kind, int MT, int NT>
+template <Bits16 kind, int MT, int NT, bool kPerChannel = false>
 __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A) {
   using Tile = StateTile<MT, NT>;
   using rlx::codebook::cuda::async_commit;
@@ -48,7 +50,8 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
   const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
   const int64_t v_stride = int64_t(d.HV) * d.V, pv_stride = int64_t(d.HV) * VP;
   const int64_t pk_stride = int64_t(d.HV) * KP;
-  const bool k_async = d.K % 8 == 0 && reinterpret_cast<uintptr_t>(A.k) % 16 == 0;
+  const bool k_async =
+      kPerChannel || (d.K % 8 == 0 && reinterpret_cast<uintptr_t>(A.k) % 16 == 0);
   // chunk (t0, len)'s W', K (when k_async) and U' tiles into buffer buf, as one copy group
   auto issue = [&](int64_t t0, int len, int buf) {
     uint16_t* dW = sW + buf * kChunk * ldK;
@@ -61,7 +64,13 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
       } else {
         zero16(dW + r * ldK + c);
       }
-      if (k_async) {
+      if constexpr (kPerChannel) {
+        if (r < len) {
+          copy16_async(dK + r * ldK + c, A.Kd + (t0 + r) * pk_stride + int64_t(hv) * KP + c);
+        } else {
+          zero16(dK + r * ldK + c);
+        }
+      } else if (k_async) {
         if (r < len && c < d.K) {
           copy16_async(dK + r * ldK + c, A.k + (t0 + r) * qk_stride + int64_t(h) * d.K + c);
         } else {
@@ -94,11 +103,22 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
   const int64_t base64 = checkpoint_base(n, bos, kChunk);
   const int64_t base = checkpoint_base(n, bos, d.chunk);
   const int64_t nc = num_chunks(eos - bos, kChunk);
+  // kPerChannel: e^(G_last) of this thread's rows (r / 2) for the current and the next chunk
+  float row_decay[MT][2] = {}, row_decay_next[MT][2] = {};
+  auto load_row_decay = [&](int64_t last, float (&dst)[MT][2]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        dst[mt][r2] = exp(A.G[last * pk_stride + int64_t(hv) * KP + Tile::row(w, mt, 2 * r2, lane)]);
+      }
+  };
   if (nc > 0) {
     const int len0 = int(min(int64_t(kChunk), eos - bos));
     issue(bos, len0, 0);
+    if constexpr (kPerChannel) load_row_decay(bos + len0 - 1, row_decay);
     for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
-      sG[i] = i < len0 ? A.G[(bos + i) * d.HV + hv] : 0.f;
+      sG[i] = i < len0 && !kPerChannel ? A.G[(bos + i) * d.HV + hv] : 0.f;
       sBeta[i] = i < len0 ? A.beta[(bos + i) * d.HV + hv] : 0.f;
     }
   }
@@ -128,12 +148,15 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
       async_commit();  // an empty group: the wait below always leaves one in flight
     }
     float g_next = 0.f, beta_next = 0.f;
+    if constexpr (kPerChannel) {
+      if (len_next > 0) load_row_decay(t0 + kChunk + len_next - 1, row_decay_next);
+    }
     if (int(threadIdx.x) < len_next) {
-      g_next = A.G[(t0 + kChunk + threadIdx.x) * d.HV + hv];
+      if constexpr (!kPerChannel) g_next = A.G[(t0 + kChunk + threadIdx.x) * d.HV + hv];
       beta_next = A.beta[(t0 + kChunk + threadIdx.x) * d.HV + hv];
     }
     const uint16_t* cK = sK + buf * kChunk * ldK;
-    if (!k_async) {
+    if (!kPerChannel && !k_async) {
       load_tile<kind, false>(sK + buf * kChunk * ldK, ldK, A.k + t0 * qk_stride + int64_t(h) * d.K,
                              qk_stride, kChunk, KP, len, d.K);
     }
@@ -161,7 +184,7 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
         for (int r2 = 0; r2 < 2; ++r2) {
           const int i = 16 * w + lane / 4 + 8 * r2, cl = 8 * nt + 2 * (lane % 4);
           const bool ok = i < len;
-          const float decay_to_end = ok ? exp(g_last - cG[i]) : 0.f;
+          const float decay_to_end = !ok ? 0.f : kPerChannel ? 1.f : exp(g_last - cG[i]);
           uint16_t ub[2];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
@@ -179,20 +202,27 @@ __global__ void __launch_bounds__(kChunkThreads) state_kernel(const ChunkArgs A)
         }
     }
     __syncthreads();
-    // S = e^(G_last) S + K^T (e^(G_last - G) o u)
+    // S = e^(G_last) S + K^T (e^(G_last - G) o u)  (kPerChannel: (K o e^(G_last - G))^T u)
     const float decay = exp(g_last);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
+        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= kPerChannel ? row_decay[mt][r / 2] : decay;
       warp_mma<kind, true, false, NT>(S.s[mt], cK, ldK, 16 * (MT * w + mt), sUT, ldC, 0, 0,
                                       kChunk, lane);
     }
     if (int(threadIdx.x) < kChunk) {  // the next chunk's gates (its buffer is free)
       sG[(buf ^ 1) * kChunk + threadIdx.x] = g_next;
       sBeta[(buf ^ 1) * kChunk + threadIdx.x] = beta_next;
+    }
+    if constexpr (kPerChannel) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        row_decay[mt][0] = row_decay_next[mt][0];
+        row_decay[mt][1] = row_decay_next[mt][1];
+      }
     }
   }
 #pragma unroll

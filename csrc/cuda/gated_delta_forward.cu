@@ -102,7 +102,7 @@ void chunked_forward(const GdnProblem& p, const SeqLens& cu, double scale, const
   launch_prep_and_state<kind>(A, p.num_seqs, stream);
   if (plan.chunks > 0) {
     const size_t smem = output_smem(A.KP);
-    auto kernel = output_kernel<kind>;
+    auto kernel = p.gate_per_channel ? output_kernel<kind, true> : output_kernel<kind>;
     allow_shared_memory(kernel, smem);
     kernel<<<dim3(unsigned(plan.chunks * A.d.HV * (A.VP / kOutCols))), dim3(kChunkThreads), smem,
              stream>>>(A);
@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
   const std::optional<at::Tensor> h0 =
       initial_state.has_value() ? std::optional<at::Tensor>(initial_state->contiguous())
                                 : std::nullopt;
-  const bool chunked = chunked_applies(p);
+  const bool chunked = chunked_applies(p, /*backward=*/false);
   if (l2norm_eps.has_value()) {  // the chunked path's products read q and k in v's dtype
     q = l2norm_rows(q, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
     k = l2norm_rows(k, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
