@@ -3,9 +3,10 @@ for a per-head gate and 16-bit inputs; RLX_CUDA_GATED_DELTA_CHUNKED=0 selects th
 backward): against the token backward on the same forward outputs and the float64 reference,
 on T < 64, T = 64, T not a multiple of 64, ragged K and V, GVA with varlen and an empty
 sequence, g = -30, an initial state and chunk_size 128; and bitwise determinism. The same for
-the per-channel gate (KDA, gated_delta_chunk_kda*.cuh): its chunked forward against the token
-forward (o, final state, checkpoints). Needs a GPU: skips cleanly without one. (The per-head
-chunked forward's tests, which also run this backward, are in test_gated_delta_cuda.py.)"""
+the per-channel gate (KDA, gated_delta_chunk_kda*.cuh), whose chunked forward is also held to
+the token forward (o, final state, checkpoints). Needs a GPU: skips cleanly without one. (The
+per-head chunked forward's tests, which also run this backward, are in
+test_gated_delta_cuda.py.)"""
 
 import pytest
 import torch
@@ -90,10 +91,12 @@ def test_chunked_backward_matches_token_backward_and_reference(case, dtype, monk
         compare(ours, ref, TOL[dtype], f"{case}, {dtype} vs float64 reference")
 
 
-def test_chunked_backward_deterministic_bitwise(monkeypatch):
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_chunked_backward_deterministic_bitwise(per_channel, monkeypatch):
     """Two runs of the chunked backward on the same inputs: bitwise equal gradients."""
     inputs = to(make_inputs(B=1, T=700, H=1, HV=3, K=128, V=96, state=True,
-                            cu_seqlens=[0, 64, 64, 65, 400, 700], dtype=torch.bfloat16), CUDA)
+                            cu_seqlens=[0, 64, 64, 65, 400, 700], dtype=torch.bfloat16,
+                            per_channel=per_channel), CUDA)
     cot = cotangents(inputs)
     first = _op_grads(inputs, cot, 64, False, True, True, monkeypatch)
     for _ in range(2):
@@ -156,3 +159,29 @@ def test_kda_chunked_forward_matches_token_forward(case, dtype, monkeypatch):
         assert err <= tol, f"{case}, {dtype}: {name} rel RMS {err:.2e} > {tol:.1e}"
     assert chunked[3].numel() == 0 and token[3].numel() == 0  # no vw for a per-channel gate
     assert not torch.equal(chunked[0], token[0]), "the chunked forward did not run"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", KDA_CASES)
+def test_kda_chunked_backward_matches_token_backward_and_reference(case, dtype, monkeypatch):
+    """The per-channel gate's chunked backward (which re-runs its own prep and state kernels:
+    the forward keeps no vw) against the token backward on the same forward outputs; the token
+    backward on the chunked forward's checkpoints; and the chunked forward + backward against
+    the float64 reference. V = 256 runs the token backward (the chunked one takes V <= 128):
+    bitwise that of the token path there, and not elsewhere, so the chunked kernels did run."""
+    inputs, l2, chunk_size = _kda_inputs(case, dtype)
+    cot = cotangents(inputs)
+    tol = 1e-2 if dtype == torch.bfloat16 else 2e-3
+    token = _op_grads(inputs, cot, chunk_size, l2, False, False, monkeypatch)
+    chunked = _op_grads(inputs, cot, chunk_size, l2, False, True, monkeypatch)
+    compare(chunked, token, tol, f"{case}, {dtype}")
+    assert torch.equal(chunked["dv"], token["dv"]) == (inputs["v"].shape[-1] > 128), case
+    mixed = _op_grads(inputs, cot, chunk_size, l2, True, False, monkeypatch)
+    compare(mixed, token, tol, f"{case}, {dtype}: chunked forward, token backward")
+    if inputs["q"].shape[1] <= 300:
+        monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1")
+        ours = forward_backward(rlx_torch.gated_delta_rule, inputs, cot, l2,
+                                chunk_size=chunk_size)
+        ref = forward_backward(reference.gated_delta_rule, to(inputs, "cpu", torch.float64), cot,
+                               l2)
+        compare(ours, ref, TOL[dtype], f"{case}, {dtype} vs float64 reference")

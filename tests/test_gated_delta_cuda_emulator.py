@@ -187,7 +187,8 @@ def chunk_bwd_emulator(tmp_path_factory):
 
 def _recurrence_f64(q, k, v, g, beta, h0, scale, bounds):
     """The gated delta rule token by token in float64 (DESIGN.md's equations), differentiable:
-    q, k [tokens, H, K], v [tokens, HV, V], g, beta [tokens, HV], h0 [N, HV, K, V] or None."""
+    q, k [tokens, H, K], v [tokens, HV, V], g [tokens, HV] or [tokens, HV, K] (per channel),
+    beta [tokens, HV], h0 [N, HV, K, V] or None."""
     H, K, HV, V = q.shape[1], q.shape[2], v.shape[1], v.shape[2]
     rows, finals = {}, []
     for n in range(len(bounds) - 1):
@@ -196,7 +197,8 @@ def _recurrence_f64(q, k, v, g, beta, h0, scale, bounds):
             S = h0[n, hv] if h0 is not None else q.new_zeros(K, V)
             for t in range(bounds[n], bounds[n + 1]):
                 kt = k[t, hv // (HV // H)]
-                S = torch.exp(g[t, hv]) * S
+                a = torch.exp(g[t, hv])
+                S = (a.unsqueeze(-1) if a.dim() else a) * S
                 S = S + torch.outer(kt, beta[t, hv] * (v[t, hv] - S.T @ kt))
                 rows[t, hv] = scale * S.T @ q[t, hv // (HV // H)]
             heads.append(S)
@@ -219,6 +221,22 @@ CHUNK_BWD_CASES = {
     # the fused q/k L2 norm: wy_kernel<.., true> finishes dq and dk with its backward
     "l2norm_two_k_tiles": dict(B=1, T=130, H=1, HV=1, K=72, V=40, state=True, l2norm=True),
     "l2norm_K128_two_heads": dict(B=2, T=70, H=2, HV=2, K=128, V=24, l2norm=True),
+    # a per-channel gate (KDA): the re-run kda prep and state kernels, the per-channel dv_local,
+    # dh and dqk, and kda_wy_kernel (gated_delta_chunk_kda_bwd.cuh)
+    "kda_T20": dict(B=1, T=20, H=1, HV=1, K=8, V=8, state=True, per_channel=True),
+    "kda_T64_no_dht": dict(B=1, T=64, H=1, HV=1, K=8, V=8, state=True, dht=False,
+                           per_channel=True),
+    "kda_T65_gva_state": dict(B=2, T=65, H=1, HV=2, K=8, V=8, state=True, per_channel=True),
+    "kda_T130_odd_k_v": dict(B=1, T=130, H=1, HV=1, K=37, V=41, per_channel=True),
+    "kda_gva_varlen_empty": dict(B=1, T=150, H=1, HV=2, K=16, V=24, state=True,
+                                 cu=[0, 64, 64, 150], per_channel=True),
+    "kda_two_k_and_v_tiles": dict(B=1, T=70, H=1, HV=1, K=72, V=80, state=True,
+                                  per_channel=True),
+    "kda_K128_narrow": dict(B=1, T=130, H=1, HV=1, K=128, V=20, state=True, narrow=True,
+                            per_channel=True),
+    "kda_strong_decay_varlen": dict(B=1, T=200, H=1, HV=1, K=24, V=8, state=True, g_scale=30.0,
+                                    cu=[0, 30, 30, 200], per_channel=True),
+    "kda_T1_batch": dict(B=4, T=1, H=1, HV=1, K=4, V=4, state=True, per_channel=True),
 }
 L2NORM_EPS = 1e-6
 
@@ -232,9 +250,10 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
     k = torch.randn(tokens, H, K, generator=gen)
     k = bf(k if c["l2norm"] else F.normalize(k, dim=-1))  # (raw rows with the l2norm)
     v = bf(torch.randn(tokens, HV, V, generator=gen))
-    g = F.logsigmoid(torch.randn(tokens, HV, generator=gen) + 2.0)
+    g_shape = (tokens, HV, K) if c["per_channel"] else (tokens, HV)
+    g = F.logsigmoid(torch.randn(g_shape, generator=gen) + 2.0)
     if c["g_scale"] is not None:  # down to -g_scale per step: exp of cumsums would overflow
-        g = -c["g_scale"] * torch.rand(tokens, HV, generator=gen)
+        g = -c["g_scale"] * torch.rand(g_shape, generator=gen)
     beta = torch.rand(tokens, HV, generator=gen)
     bounds = c["cu"] or [n * T for n in range(B + 1)]
     N = len(bounds) - 1
@@ -250,7 +269,8 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
     env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1",
                **({"RLX_EMU_NARROW": "1"} if c["narrow"] else {}),
                **({"RLX_EMU_RERUN_STATE": "1"} if rerun_state else {}),
-               **({"RLX_EMU_L2NORM_EPS": str(L2NORM_EPS)} if c["l2norm"] else {}))
+               **({"RLX_EMU_L2NORM_EPS": str(L2NORM_EPS)} if c["l2norm"] else {}),
+               **({"RLX_EMU_PER_CHANNEL": "1"} if c["per_channel"] else {}))
     proc = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600,
                           env=env)
     assert proc.returncode == 0, proc.stderr
@@ -263,12 +283,14 @@ def _run_chunk_bwd(exe, c, tmp_path, seed=1, rerun_state=False):
 
 
 def _chunk_bwd_case(case):
-    c = dict(state=False, dht=True, cu=None, narrow=False, g_scale=None, l2norm=False)
+    c = dict(state=False, dht=True, cu=None, narrow=False, g_scale=None, l2norm=False,
+             per_channel=False)
     c.update(CHUNK_BWD_CASES[case])
     return c
 
 
-# S0 and u from a re-run of the state kernel (the path of checkpoints sparser than 64 tokens)
+# S0 and u from a re-run of the state kernel (the path of checkpoints sparser than 64 tokens;
+# a per-channel gate's always)
 RERUN_STATE_CASES = ("T65_gva_state", "gva_varlen_empty", "K72_narrow")
 
 
@@ -281,7 +303,8 @@ def test_emulated_chunked_backward_matches_float64(case, rerun_state, chunk_bwd_
     as on the GPU for bf16 inputs) against autograd through a float64 token recurrence of the
     same bf16-rounded inputs: every gradient, with an initial state dh0. With the l2norm, q and
     k are raw rows, normalized in the reference's graph (float64) and by the emulation's host
-    code (float32, rounded to bf16 as the kernels read them)."""
+    code (float32, rounded to bf16 as the kernels read them). A per-channel gate's also against
+    the CPU op (float32) on the same inputs."""
     x, got = _run_chunk_bwd(chunk_bwd_emulator, _chunk_bwd_case(case), tmp_path,
                             rerun_state=rerun_state)
     leaves = {n: x[n].double().requires_grad_() for n in ("q", "k", "v", "g", "beta")}
@@ -301,10 +324,36 @@ def test_emulated_chunked_backward_matches_float64(case, rerun_state, chunk_bwd_
         assert torch.isfinite(got[gname]).all(), f"{case}: {gname} not finite"
         err = _rel_rms(got[gname], w)
         assert err < 2e-2, f"{case}: {gname} rel rms {err}"
+    if x["g"].dim() == 3:
+        for name, w in _cpu_op_grads(x).items():
+            err = _rel_rms(got["d" + name], w)
+            assert err < 2e-2, f"{case}: d{name} against the CPU op, rel rms {err}"
 
 
-def test_emulated_chunked_backward_is_deterministic(chunk_bwd_emulator, tmp_path):
-    c = _chunk_bwd_case("gva_varlen_empty")
+def _cpu_op_grads(x):
+    """rlx::gated_delta_fwd / _bwd on the CPU (float32) for _run_chunk_bwd's inputs (packed as
+    one varlen batch), split into the gradients by name."""
+    from rlx_torch.ops.gated_delta import unpack_gradients
+
+    def batch(t):
+        return t.unsqueeze(0)
+
+    cu = torch.tensor(x["bounds"])
+    q, k, v, g, beta = (batch(x[n]) for n in ("q", "k", "v", "g", "beta"))
+    do = batch(x["do"])
+    _, _, ckpt, vw = torch.ops.rlx.gated_delta_fwd(q, k, v, g, beta, 0.3, x["h0"], cu, 64, None)
+    packed = torch.ops.rlx.gated_delta_bwd(q, k, v, g, beta, 0.3, x["h0"], cu, ckpt, do,
+                                           x["dht"], 64, None, vw)
+    dq, dk, dv, dg, dbeta, dh0 = unpack_gradients(packed, q, v, g, x["h0"], cu)
+    out = dict(q=dq[0], k=dk[0], v=dv[0], g=dg[0], beta=dbeta[0])
+    if dh0 is not None:
+        out["h0"] = dh0
+    return out
+
+
+@pytest.mark.parametrize("case", ["gva_varlen_empty", "kda_gva_varlen_empty"])
+def test_emulated_chunked_backward_is_deterministic(case, chunk_bwd_emulator, tmp_path):
+    c = _chunk_bwd_case(case)
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
     _, first = _run_chunk_bwd(chunk_bwd_emulator, c, tmp_path / "a")

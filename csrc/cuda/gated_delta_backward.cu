@@ -8,6 +8,7 @@
 #endif
 
 #include "gated_delta_chunk_bwd_grads.cuh"
+#include "gated_delta_chunk_kda_bwd.cuh"
 #include "gated_delta_chunk_host.cuh"
 #include "gated_delta_cuda.cuh"
 #include "gated_delta_l2norm.cuh"
@@ -179,7 +180,7 @@ void launch_dh(const ChunkBwdArgs& B, int64_t num_seqs, cudaStream_t stream) {
   const int64_t blocks = num_seqs * B.f.d.HV * (B.f.VP / (8 * NT));
   if (blocks == 0) return;
   const size_t smem = dh_smem(64 * MT, 8 * NT);
-  auto kernel = dh_kernel<kind, MT, NT>;
+  auto kernel = B.f.Kd != nullptr ? dh_kernel<kind, MT, NT, true> : dh_kernel<kind, MT, NT>;
   allow_shared_memory(kernel, smem);
   kernel<<<dim3(unsigned(blocks)), dim3(kChunkThreads), smem, stream>>>(B);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -206,7 +207,9 @@ void launch_dh_tiles(const ChunkBwdArgs& B, int64_t num_seqs, bool narrow, cudaS
 // The chunked backward (gated_delta_chunk_bwd.cuh): the forward's prep kernel re-runs for G,
 // W' and T'; u and the chunk states come from the forward's vw and checkpoints where those
 // are every 64 tokens (from_forward_kernel), else from a re-run of its state kernel; then
-// dv_local, dh, dqk and wy. dv, dg, dbeta and dh0 go straight into the packed buffer; dq and
+// dv_local, dh, dqk and wy. A per-channel gate (no vw from the forward) always re-runs the
+// state kernel, which writes vw for dh_kernel, and ends with kda_wy_kernel
+// (gated_delta_chunk_kda_bwd.cuh). dv, dg, dbeta and dh0 go straight into the packed buffer; dq and
 // dk per value head into dq_hv, dk_hv. With raw rows (the fused l2norm, one value head per q/k
 // head), wy_kernel finishes them with the l2norm backward: the raw rows' gradients.
 struct RawRows {
@@ -222,15 +225,26 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
                       const GdnBackwardLayout& layout, at::Tensor& packed, at::Tensor& dq_hv,
                       at::Tensor& dk_hv, const RawRows& raw, cudaStream_t stream) {
   const int64_t N = p.num_seqs, HV = p.num_v_heads, tokens = p.tokens();
-  const bool states_kept = p.chunk == kChunk;  // the checkpoints are the 64-token chunk states
+  const bool per_channel = p.gate_per_channel;
+  // the checkpoints are the 64-token chunk states, and vw is kept (one gate per head)
+  const bool states_kept = p.chunk == kChunk && !per_channel;
   ChunkBwdArgs B;
   ChunkArgs& A = B.f;
   const ChunkPlan plan = plan_chunks(p, cu, scale, q, k, v, g, beta, h0, A, !states_kept);
   const int64_t KP = A.KP, VP = A.VP, chunks = plan.chunks;
   const auto f32 = q.options().dtype(at::kFloat);
   const at::Tensor Tinv = at::empty({tokens, HV, kChunk}, v.options());
-  A.Tinv = bits_of(Tinv);  // (no ht, checkpoints or vw: the forward has them)
-  B.vw = vw.data_ptr<float>();
+  A.Tinv = bits_of(Tinv);  // (no ht or checkpoints: the forward has them)
+  at::Tensor vw_rerun, L;
+  if (per_channel) {  // vw from the state kernel's re-run; L for dbeta
+    vw_rerun = at::empty({tokens, HV, p.head_v_dim}, f32);
+    L = at::empty({tokens, HV, kChunk}, f32);
+    A.vw = vw_rerun.data_ptr<float>();
+    A.L = L.data_ptr<float>();
+    B.vw = A.vw;
+  } else {
+    B.vw = vw.data_ptr<float>();
+  }
   if (states_kept) {
     B.ckpt = ckpt.data_ptr<float>();
     launch_prep<kind>(A, stream);
@@ -245,7 +259,8 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
   const at::Tensor dW = at::empty({tokens, HV, KP}, v.options());
   B.dbeta_tiles = int(VP / (narrow ? 16 : 32));
   const at::Tensor dbeta_part = at::empty({B.dbeta_tiles, tokens, HV}, f32);
-  const at::Tensor dg_part = at::empty({KP / kBwdTile, tokens, HV}, f32);
+  const at::Tensor dg_part = per_channel ? at::empty({tokens, HV, KP}, f32)
+                                         : at::empty({KP / kBwdTile, tokens, HV}, f32);
   B.dout = bits_of(dout);
   B.dht = data_or_null<float>(dht);
   B.duL = duL.data_ptr<float>();
@@ -261,16 +276,19 @@ void chunked_backward(const GdnProblem& p, const SeqLens& cu, double scale, cons
   B.dg = out + layout.dg.offset;
   B.dbeta = out + layout.dbeta.offset;
   B.dh0 = p.has_initial_state ? out + layout.dstate.offset : nullptr;
-  launch_chunk_parallel(dv_local_kernel<kind>, chunks * HV * (VP / kBwdTile), dv_local_smem(int(KP)),
-                        B, stream);
+  launch_chunk_parallel(per_channel ? dv_local_kernel<kind, true> : dv_local_kernel<kind>,
+                        chunks * HV * (VP / kBwdTile), dv_local_smem(int(KP)), B, stream);
   TORCH_CHECK(KP <= 128, "rlx::gated_delta_bwd: the chunked backward takes K <= 128");
   if (KP == 64) {
     launch_dh_tiles<kind, 1>(B, N, narrow, stream);
   } else {
     launch_dh_tiles<kind, 2>(B, N, narrow, stream);
   }
-  launch_chunk_parallel(dqk_kernel<kind>, chunks * HV * (KP / kBwdTile), dqk_smem(), B, stream);
-  if (raw.q.defined()) {
+  launch_chunk_parallel(per_channel ? dqk_kernel<kind, true> : dqk_kernel<kind>,
+                        chunks * HV * (KP / kBwdTile), dqk_smem(), B, stream);
+  if (per_channel) {
+    launch_chunk_parallel(kda_wy_kernel<kind>, chunks * HV, kda_wy_smem(int(KP)), B, stream);
+  } else if (raw.q.defined()) {
     B.q_raw = bits_of(raw.q);
     B.k_raw = bits_of(raw.k);
     B.q_rstd = raw.q_rstd.data_ptr<float>();
@@ -317,11 +335,16 @@ at::Tensor gated_delta_bwd_cuda(const at::Tensor& q_in, const at::Tensor& k_in,
   // forward's vw, which it keeps in every case the chunked path covers (gdn_keeps_vw). K or V
   // above 128 stays on the token backward: the emulator does not reach those tiles, and their
   // GPU tests have not yet finished a run (the forward's have).
-  const bool chunked = chunked_applies(p, /*backward=*/true) && p.head_k_dim <= 128 && p.head_v_dim <= 128 &&
-                       vw.has_value() && vw->numel() > 0;
+  // (a per-channel gate's forward keeps no vw: its chunked backward re-runs the state kernel)
+  const bool chunked = chunked_applies(p) && p.head_k_dim <= 128 &&
+                       p.head_v_dim <= 128 &&
+                       (p.gate_per_channel || (vw.has_value() && vw->numel() > 0));
   // the chunked kernels' dq and dk go straight into the packed buffer when there is nothing
   // to add (one value head per q/k head); wy_kernel then also applies the l2norm backward
-  const bool direct_dqk = chunked && p.group() == 1;
+  // (kda_wy_kernel does not: with the l2norm, the per-channel gate's dq and dk go through
+  // l2norm_rows_backward_fused below)
+  const bool direct_dqk =
+      chunked && p.group() == 1 && !(p.gate_per_channel && l2norm_eps.has_value());
   const bool fused_l2norm = direct_dqk && l2norm_eps.has_value();
   const at::Tensor q_raw = q_in.contiguous(), k_raw = k_in.contiguous();
   at::Tensor q = q_raw, k = k_raw;  // normalized when l2norm_eps is given

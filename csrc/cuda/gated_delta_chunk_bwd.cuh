@@ -52,6 +52,7 @@ struct ChunkBwdArgs {
   float* dbeta_part = nullptr;     // [dbeta_tiles, tokens, HV] du . vw per dh_kernel tile
   int dbeta_tiles = 0;
   float* dg_part = nullptr;        // [KP / 64, tokens, HV] dqk_kernel's part of dL/dG
+                                   // ([tokens, HV, KP] for a per-channel gate)
   float *dq = nullptr, *dk = nullptr;  // [tokens, HV, K]: per value head (summed on the host)
   // The fused q/k L2 norm with one value head per q/k head: the raw rows [tokens, H, K] (f.q,
   // f.k are the normalized ones) and their factors r [tokens, H]; wy_kernel<.., true> then
@@ -119,7 +120,8 @@ __host__ __device__ inline size_t from_forward_smem() {
 }
 
 // ---- dv_local: scale P^T dO of one chunk, value head and 64-column tile ---------------------
-template <Bits16 kind>
+// kPerChannel (a gate per key channel): P is the prep's (gated_delta_chunk_kda.cuh)
+template <Bits16 kind, bool kPerChannel = false>
 __global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdArgs B) {
   const ChunkArgs& A = B.f;
   const Dims<float>& d = A.d;
@@ -135,17 +137,22 @@ __global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdA
   uint16_t* sDo = sK + kChunk * ldK;                         // [64][72] dO tile
   uint16_t* sP = sDo + kChunk * ldC;                         // [64][72] P (i, j)
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
-  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+  for (int i = threadIdx.x; i < kChunk && !kPerChannel; i += blockDim.x) {
     sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
   }
-  load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                        KP, len, d.K);
-  load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
-                        KP, len, d.K);
+  if constexpr (kPerChannel) {
+    load_tile_async<kind>(sP, ldC, A.P + (e.t0 * d.HV + hv) * kChunk, int64_t(d.HV) * kChunk,
+                          kChunk, kChunk, len, kChunk);
+  } else {
+    load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                          KP, len, d.K);
+    load_tile_async<kind>(sK, ldK, A.k + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
+                          KP, len, d.K);
+  }
   load_tile_async<kind>(sDo, ldC, B.dout + e.t0 * v_stride + int64_t(hv) * d.V + v0, v_stride,
                         kChunk, kBwdTile, len, max(0, min(kBwdTile, d.V - v0)));
   tiles_landed();
-  {
+  if constexpr (!kPerChannel) {
     float P[8][4] = {};
     warp_mma<kind, false, false, 8>(P, sQ, ldK, 16 * w, sK, ldK, 0, 0, KP, lane);
 #pragma unroll
@@ -167,7 +174,10 @@ __global__ void __launch_bounds__(kChunkThreads) dv_local_kernel(const ChunkBwdA
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int j = acc_row(16 * w, r, lane), c = v0 + acc_col(nt, r, lane);
-      if (j < len) B.duL[(e.t0 + j) * pv_stride + int64_t(hv) * VP + c] = acc[nt][r];
+      if (j < len) {
+        B.duL[(e.t0 + j) * pv_stride + int64_t(hv) * VP + c] = kPerChannel ? d.scale * acc[nt][r]
+                                                                           : acc[nt][r];
+      }
     }
 }
 
@@ -184,7 +194,9 @@ __host__ __device__ inline size_t dv_local_smem(int KP) {
 // raw: the previous chunk's tiles are copied (cp.async) while the current one is in use (K
 // and dO once du is done, Q and W' into the second of two buffers), and its gates, duL and vw
 // loaded into registers, so the serial loop waits on no global load.
-template <Bits16 kind, int MT, int NT>
+// kPerChannel (a gate per key channel): K and Q are the prep's K o e^(G_last - G) and Q o e^G,
+// so du = duL + Kd dS and dS = diag(e^(G_last)) dS + [Qg; W']^T [scale dO; -dvw].
+template <Bits16 kind, int MT, int NT, bool kPerChannel = false>
 __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B) {
   using rlx::codebook::cuda::async_commit;
   using rlx::codebook::cuda::async_wait;
@@ -211,11 +223,14 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
   const int64_t KV = int64_t(d.K) * d.V, qk_stride = int64_t(d.H) * d.K;
   const int64_t v_stride = int64_t(d.HV) * d.V, pv_stride = int64_t(d.HV) * VP;
   const int64_t pk_stride = int64_t(d.HV) * KP;
-  const uint16_t* q = A.q + int64_t(h) * d.K;
-  const uint16_t* k = A.k + int64_t(h) * d.K;
+  // (per channel: Qg and Kd, rows of KP)
+  const uint16_t* q = kPerChannel ? A.Qg + int64_t(hv) * KP : A.q + int64_t(h) * d.K;
+  const uint16_t* k = kPerChannel ? A.Kd + int64_t(hv) * KP : A.k + int64_t(h) * d.K;
+  const int64_t qk_rows = kPerChannel ? pk_stride : qk_stride;
+  const int k_cols = kPerChannel ? KP : d.K;
   const uint16_t* dout = B.dout + int64_t(hv) * d.V + v0;
-  const bool qk_async = d.K % 8 == 0 && reinterpret_cast<uintptr_t>(A.q) % 16 == 0 &&
-                        reinterpret_cast<uintptr_t>(A.k) % 16 == 0;
+  const bool qk_async = kPerChannel || (d.K % 8 == 0 && reinterpret_cast<uintptr_t>(A.q) % 16 == 0 &&
+                                         reinterpret_cast<uintptr_t>(A.k) % 16 == 0);
   const bool o_async = d.V % 8 == 0 && reinterpret_cast<uintptr_t>(B.dout) % 16 == 0;
   // chunk (t0, len)'s K, Q and W' (into buffer buf) and dO tiles, as one copy group; where
   // rows are not 16-byte aligned, copied synchronously instead
@@ -230,9 +245,9 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
         zero16(dW + r * ldK + c);
       }
       if (qk_async) {
-        if (r < len && c < d.K) {
-          copy16_async(sK + r * ldK + c, k + (t0 + r) * qk_stride + c);
-          copy16_async(dQ + r * ldK + c, q + (t0 + r) * qk_stride + c);
+        if (r < len && c < k_cols) {
+          copy16_async(sK + r * ldK + c, k + (t0 + r) * qk_rows + c);
+          copy16_async(dQ + r * ldK + c, q + (t0 + r) * qk_rows + c);
         } else {
           zero16(sK + r * ldK + c);
           zero16(dQ + r * ldK + c);
@@ -259,11 +274,22 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
   };
   // chunk (t0, len)'s gates (G padded with G_last; thread i < 64 holds row i), duL and vw
   // (this thread's accumulator elements) into registers
+  // (per channel: e^(G_last) of this thread's state rows (r / 2) instead of the gates)
   float g_reg = 0.f, beta_reg = 0.f, duL[NT][4], vw[NT][4];
+  float row_decay[MT][2] = {}, row_decay_next[MT][2] = {};
   auto load_rows = [&](int64_t t0, int len) {
+    if constexpr (kPerChannel) {
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int r2 = 0; r2 < 2; ++r2) {
+          row_decay_next[mt][r2] = exp(A.G[(t0 + len - 1) * pk_stride + int64_t(hv) * KP +
+                                           Tile::row(w, mt, 2 * r2, lane)]);
+        }
+    }
     if (int(threadIdx.x) < kChunk) {
       const int i = int(threadIdx.x);
-      g_reg = A.G[(t0 + min(i, len - 1)) * d.HV + hv];
+      if constexpr (!kPerChannel) g_reg = A.G[(t0 + min(i, len - 1)) * d.HV + hv];
       beta_reg = i < len ? A.beta[(t0 + i) * d.HV + hv] : 0.f;
     }
 #pragma unroll
@@ -298,6 +324,11 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
       sG[threadIdx.x] = g_reg;
       sBeta[threadIdx.x] = beta_reg;
     }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      row_decay[mt][0] = row_decay_next[mt][0];
+      row_decay[mt][1] = row_decay_next[mt][1];
+    }
   }
   for (int64_t j = nc - 1; j >= 0; --j) {
     const int buf = int(j & 1);
@@ -319,8 +350,8 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
         }
     for (int idx = threadIdx.x; idx < BV * kChunk; idx += blockDim.x) {  // scale e^G o dO
       const int c = idx / kChunk, i = idx % kChunk;
-      sYT[c * ldY + i] =
-          float_to_bits<kind>(d.scale * exp(sG[i]) * bits_to_float<kind>(sO[i * ldO + c]));
+      const float f = kPerChannel ? d.scale : d.scale * exp(sG[i]);
+      sYT[c * ldY + i] = float_to_bits<kind>(f * bits_to_float<kind>(sO[i * ldO + c]));
     }
     __syncthreads();
     const float g_last = sG[len - 1];
@@ -335,7 +366,7 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
         for (int r = 0; r < 4; ++r) {
           const int i = acc_row(16 * w, r, lane), cl = acc_col(nt, r, lane), c = v0 + cl;
           const bool ok = i < len;
-          const float du = duL[nt][r] + exp(g_last - sG[i]) * kd[nt][r];
+          const float du = duL[nt][r] + (kPerChannel ? kd[nt][r] : exp(g_last - sG[i]) * kd[nt][r]);
           const float dvw = ok ? sBeta[i] * du : 0.f;
           sYT[cl * ldY + kChunk + i] = float_to_bits<kind>(-dvw);
           if (ok) {
@@ -364,13 +395,18 @@ __global__ void __launch_bounds__(kChunkThreads) dh_kernel(const ChunkBwdArgs B)
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= decay;
+        for (int r = 0; r < 4; ++r) S.s[mt][nt][r] *= kPerChannel ? row_decay[mt][r / 2] : decay;
       warp_mma<kind, true, false, NT>(S.s[mt], cX, ldK, 16 * (MT * w + mt), sYT, ldY, 0, 0, C2,
                                       lane);
     }
     if (j > 0 && int(threadIdx.x) < kChunk) {  // (nothing reads the gates in this phase)
       sG[threadIdx.x] = g_reg;
       sBeta[threadIdx.x] = beta_reg;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      row_decay[mt][0] = row_decay_next[mt][0];
+      row_decay[mt][1] = row_decay_next[mt][1];
     }
   }
   if (B.dh0 == nullptr) return;

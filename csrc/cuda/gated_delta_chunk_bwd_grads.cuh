@@ -21,8 +21,26 @@ __device__ __forceinline__ float bf_at(const uint16_t* t, int idx) {
   return bits_to_float<kind>(t[idx]);
 }
 
+// Column sums over one warp's 16 rows of per-lane partials v[nt][c] (column 8 nt + 2 (lane % 4)
+// + c): a butterfly over the lanes that share lane % 4, lanes 0..3 store the sums.
+__device__ __forceinline__ void warp_col_sums(const float (&v)[8][2], float* dst, int lane) {
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float x = v[nt][c];
+      x += __shfl_xor_sync(kFull, x, 4);
+      x += __shfl_xor_sync(kFull, x, 8);
+      x += __shfl_xor_sync(kFull, x, 16);
+      if (lane < 4) dst[8 * nt + 2 * lane + c] = x;
+    }
+}
+
 // ---- dqk: one chunk, value head and 64-key-column tile ---------------------------------------
-template <Bits16 kind>
+// kPerChannel (a gate per key channel): dq = scale e^G o (dO S0^T), dk = e^(G_last - G) o
+// (u dS^T) per element, and their part of dL/dG per element into dg_part ([tokens, HV, KP]):
+// q o dq - k o dk, plus at the last row sum_i k_i o dk_i + e^(G_last) o rowsum(dS o S0).
+template <Bits16 kind, bool kPerChannel = false>
 __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B) {
   const ChunkArgs& A = B.f;
   const Dims<float>& d = A.d;
@@ -42,7 +60,7 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
   uint16_t* sDs = sS0T + kChunk * ld;                                  // [64 k][72] dS (k, v)
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
-  for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
+  for (int i = threadIdx.x; i < kChunk && !kPerChannel; i += blockDim.x) {
     sG[i] = A.G[(e.t0 + min(i, len - 1)) * d.HV + hv];  // (padded with G_last)
   }
   float dQi[8][4] = {}, dWp[8][4] = {}, dHU[8][4] = {}, hs = 0.f;
@@ -65,9 +83,16 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
     warp_mma<kind, false, true, 8>(dQi, sDo, ld, 16 * w, sS0T, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, true, 8>(dWp, sDvw, ld, 16 * w, sS0T, ld, 0, 0, kBwdTile, lane);
     warp_mma<kind, false, false, 8>(dHU, sU, ld, 16 * w, sDs, ld, 0, 0, kBwdTile, lane);
-    for (int idx = threadIdx.x; idx < kBwdTile * kBwdTile; idx += blockDim.x) {
-      const int kk = idx / kBwdTile, vv = idx % kBwdTile;
-      hs += bf_at<kind>(sDs, kk * ld + vv) * bf_at<kind>(sS0T, vv * ld + kk);
+    if constexpr (kPerChannel) {  // thread kk < 64: channel k0 + kk's sum over v
+      const int kk = threadIdx.x;
+      for (int vv = 0; vv < kBwdTile && kk < kBwdTile; ++vv) {
+        hs += bf_at<kind>(sDs, kk * ld + vv) * bf_at<kind>(sS0T, vv * ld + kk);
+      }
+    } else {
+      for (int idx = threadIdx.x; idx < kBwdTile * kBwdTile; idx += blockDim.x) {
+        const int kk = idx / kBwdTile, vv = idx % kBwdTile;
+        hs += bf_at<kind>(sDs, kk * ld + vv) * bf_at<kind>(sS0T, vv * ld + kk);
+      }
     }
   }
   __syncthreads();
@@ -80,6 +105,39 @@ __global__ void __launch_bounds__(kChunkThreads) dqk_kernel(const ChunkBwdArgs B
                         kChunk, kBwdTile, len, k_ok);
   sRed[threadIdx.x] = hs;
   tiles_landed();
+  if constexpr (kPerChannel) {
+    const float* G = A.G + e.t0 * pk_stride + int64_t(hv) * KP;
+    float* dG = B.dg_part + e.t0 * pk_stride + int64_t(hv) * KP;
+    float col[8][2] = {};  // this lane's part of sum_i k_i o dk_i
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int i = acc_row(16 * w, r, lane), cl = acc_col(nt, r, lane), c = k0 + cl;
+        if (i >= len) continue;
+        B.dW[(e.t0 + i) * pk_stride + int64_t(hv) * KP + c] = float_to_bits<kind>(-dWp[nt][r]);
+        const float gi = G[i * pk_stride + c];
+        const float dq = d.scale * exp(gi) * dQi[nt][r];
+        const float dk = exp(G[(len - 1) * pk_stride + c] - gi) * dHU[nt][r];
+        const float kv = bf_at<kind>(sK, i * ld + cl);
+        const int64_t row = (e.t0 + i) * d.HV + hv;
+        if (c < d.K) {
+          B.dq[row * d.K + c] = dq;
+          B.dk[row * d.K + c] = dk;
+        }
+        dG[i * pk_stride + c] = bf_at<kind>(sQ, i * ld + cl) * dq - kv * dk;
+        col[nt][r % 2] += kv * dk;
+      }
+    warp_col_sums(col, sRowQ + w * kChunk, lane);  // ([4][64] over sRowQ .. sRed)
+    __syncthreads();
+    const int kk = threadIdx.x;
+    if (kk < kBwdTile) {  // G_last's terms, channel k0 + kk
+      float val = exp(G[(len - 1) * pk_stride + k0 + kk]) * hs;
+      for (int x = 0; x < kChunkWarps; ++x) val += sRowQ[x * kChunk + kk];
+      dG[(len - 1) * pk_stride + k0 + kk] += val;
+    }
+    return;
+  }
   const float g_last = sG[len - 1];
   float rq[2] = {0.f, 0.f}, rk[2] = {0.f, 0.f};
 #pragma unroll
@@ -125,21 +183,6 @@ __host__ __device__ inline size_t dqk_smem() {
 }
 
 // ---- wy: the C x C algebra of one chunk and value head, then dq, dk, dv, dg, dbeta -----------
-// Column sums over one warp's 16 rows of per-lane partials v[nt][c] (column 8 nt + 2 (lane % 4)
-// + c): a butterfly over the lanes that share lane % 4, lanes 0..3 store the sums.
-__device__ __forceinline__ void warp_col_sums(const float (&v)[8][2], float* dst, int lane) {
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-    for (int c = 0; c < 2; ++c) {
-      float x = v[nt][c];
-      x += __shfl_xor_sync(kFull, x, 4);
-      x += __shfl_xor_sync(kFull, x, 8);
-      x += __shfl_xor_sync(kFull, x, 16);
-      if (lane < 4) dst[8 * nt + 2 * lane + c] = x;
-    }
-}
-
 // The 64 x 64 products are taken two at a time (dO u^T with Q K^T, then dvw V^T + dW' (K o
 // e^G)^T with K K^T, then the dq and the dk products apart), so that at most two sets of
 // accumulators are live: three blocks fit on an SM (registers and shared memory), where four

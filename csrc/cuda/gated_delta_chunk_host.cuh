@@ -17,16 +17,16 @@ namespace rlx::gdn::cuda {
 
 // The chunked kernels take 16-bit inputs (their products run on 16-bit operands), K, V <= 256
 // and checkpoints every multiple of 64 tokens (the states they keep are those at 64-token
-// chunk starts); a per-channel gate K <= 128 (its prep keeps G in float32 shared memory), and
-// so far only in the forward (the backward takes the token recurrence, which reads the same
-// checkpoints). They are the default wherever they apply; RLX_CUDA_GATED_DELTA_CHUNKED=0
-// selects the token recurrence instead, for the forward and the backward alike (the tests and
-// bench_gdn_cuda.py compare the two paths that way).
-inline bool chunked_applies(const GdnProblem& p, bool backward) {
+// chunk starts); a per-channel gate K <= 128 (its prep keeps G in float32 shared memory).
+// (The backward adds its own limits: gated_delta_backward.cu.) They are the default wherever
+// they apply; RLX_CUDA_GATED_DELTA_CHUNKED=0 selects the token recurrence instead, for the
+// forward and the backward alike (the tests and bench_gdn_cuda.py compare the two paths that
+// way).
+inline bool chunked_applies(const GdnProblem& p) {
   const char* flag = std::getenv("RLX_CUDA_GATED_DELTA_CHUNKED");
   if (flag != nullptr && flag[0] == '0' && flag[1] == '\0') return false;
   const bool bits16 = p.input_dtype == at::kHalf || p.input_dtype == at::kBFloat16;
-  const bool gate_ok = !p.gate_per_channel || (p.head_k_dim <= 128 && !backward);
+  const bool gate_ok = !p.gate_per_channel || p.head_k_dim <= 128;
   return bits16 && gate_ok && p.head_k_dim <= 256 && p.head_v_dim <= 256 &&
          p.chunk % kChunk == 0;
 }

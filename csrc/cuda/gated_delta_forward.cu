@@ -149,7 +149,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gated_delta_fwd_cuda(
   const std::optional<at::Tensor> h0 =
       initial_state.has_value() ? std::optional<at::Tensor>(initial_state->contiguous())
                                 : std::nullopt;
-  const bool chunked = chunked_applies(p, /*backward=*/false);
+  const bool chunked = chunked_applies(p);
   if (l2norm_eps.has_value()) {  // the chunked path's products read q and k in v's dtype
     q = l2norm_rows(q, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;
     k = l2norm_rows(k, *l2norm_eps, /*out_acc=*/!chunked, /*want_rstd=*/false).first;

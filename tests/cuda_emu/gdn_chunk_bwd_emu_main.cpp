@@ -11,10 +11,15 @@
 // RLX_EMU_L2NORM_EPS=eps (H = HV): q and k are raw rows, L2-normalized here as the host code's
 // l2norm kernel does (float32, written in bf16) for every kernel, and wy_kernel<.., true>
 // applies the l2norm backward: dq and dk are the raw rows' gradients.
+// RLX_EMU_PER_CHANNEL: g is [tokens, HV, K] (KDA) and dg too; the backward re-runs the
+// per-channel prep (gated_delta_chunk_kda.cuh) and state kernel (the forward keeps no vw),
+// then the per-channel dv_local, dh and dqk and kda_wy_kernel (gated_delta_chunk_kda_bwd.cuh).
 #include "cuda_shim.h"
 
 #define RLX_CUDA_EMULATION 1
 #include "gated_delta_chunk_bwd_grads.cuh"
+#include "gated_delta_chunk_kda.cuh"
+#include "gated_delta_chunk_kda_bwd.cuh"
 #include "emu_io.h"
 
 #include <algorithm>
@@ -25,27 +30,39 @@
 using namespace rlx::gdn::cuda;
 constexpr Bits16 kBf = Bits16::kBFloat16;
 
+// (the per-channel variants where A.Kd is set)
 template <int MT, int NT>
 static void run_state(ChunkArgs& A, int64_t N) {
   const int64_t blocks = N * A.d.HV * (A.VP / (8 * NT));
-  emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT),
-              [&] { state_kernel<kBf, MT, NT>(A); });
+  emu::launch(unsigned(blocks), kChunkThreads, state_smem(64 * MT, 8 * NT), [&] {
+    if (A.Kd != nullptr) {
+      state_kernel<kBf, MT, NT, true>(A);
+    } else {
+      state_kernel<kBf, MT, NT>(A);
+    }
+  });
 }
 
 static void run_prep(ChunkArgs& A) {
-  emu::launch(unsigned(A.num_chunks * A.d.HV), kChunkThreads, prep_smem(A.KP, A.VP),
-              [&] { prep_kernel<kBf>(A); });
+  if (A.Kd != nullptr) {
+    emu::launch(unsigned(A.num_chunks * A.d.HV), kChunkThreads, kda_prep_smem(A.KP, A.VP),
+                [&] { kda_prep_kernel<kBf>(A); });
+  } else {
+    emu::launch(unsigned(A.num_chunks * A.d.HV), kChunkThreads, prep_smem(A.KP, A.VP),
+                [&] { prep_kernel<kBf>(A); });
+  }
 }
 
 template <int MT, int NT>
 static void run_dh(ChunkBwdArgs& B, int64_t N) {
   const int64_t blocks = N * B.f.d.HV * (B.f.VP / (8 * NT));
   const unsigned chunks = unsigned(B.f.num_chunks), HV = unsigned(B.f.d.HV);
+  const bool pc = B.f.Kd != nullptr;
   emu::launch(chunks * HV * unsigned(B.f.VP / kBwdTile), kChunkThreads, dv_local_smem(B.f.KP),
-              [&] { dv_local_kernel<kBf>(B); });
+              [&] { pc ? dv_local_kernel<kBf, true>(B) : dv_local_kernel<kBf>(B); });
   B.dbeta_tiles = B.f.VP / (8 * NT);
   emu::launch(unsigned(blocks), kChunkThreads, dh_smem(64 * MT, 8 * NT),
-              [&] { dh_kernel<kBf, MT, NT>(B); });
+              [&] { pc ? dh_kernel<kBf, MT, NT, true>(B) : dh_kernel<kBf, MT, NT>(B); });
 }
 
 int main(int argc, char** argv) {
@@ -73,7 +90,9 @@ int main(int argc, char** argv) {
   const size_t sn = size_t(N * HV * K * V), th = size_t(tokens * HV);
   auto q = emu::read(dir + "/q.bin", qk), k = emu::read(dir + "/k.bin", qk);
   auto v = emu::read(dir + "/v.bin", vv), dout = emu::read(dir + "/do.bin", vv);
-  auto g = emu::read(dir + "/g.bin", th), beta = emu::read(dir + "/beta.bin", th);
+  const bool per_channel = std::getenv("RLX_EMU_PER_CHANNEL") != nullptr;
+  const size_t gn = th * size_t(per_channel ? K : 1);
+  auto g = emu::read(dir + "/g.bin", gn), beta = emu::read(dir + "/beta.bin", th);
   std::vector<float> h0 = has_h0 ? emu::read(dir + "/h0.bin", sn) : std::vector<float>();
   std::vector<float> dht = has_dht ? emu::read(dir + "/dht.bin", sn) : std::vector<float>();
   std::vector<ChunkEntry> chunks;
@@ -88,19 +107,23 @@ int main(int argc, char** argv) {
   const int64_t KP = ceil_div(K, 64) * 64, VP = ceil_div(V, 64) * 64;
   // what no kernel writes stays NaN (bf16 0x7fc0), so a read of it shows in the results
   const uint16_t nan16 = 0x7fc0;
-  std::vector<float> G(th, NAN), vw(vv, NAN), duL(size_t(tokens * HV * VP), NAN);
+  std::vector<float> G(th * size_t(per_channel ? KP : 1), NAN), vw(vv, NAN);
+  std::vector<float> duL(size_t(tokens * HV * VP), NAN), L(per_channel ? th * kChunk : 0, NAN);
+  std::vector<uint16_t> Qg(per_channel ? th * size_t(KP) : 0, nan16), Kd(Qg.size(), nan16);
+  std::vector<uint16_t> P(per_channel ? th * kChunk : 0, nan16);
   std::vector<uint16_t> W(size_t(tokens * HV * KP), nan16), U(size_t(tokens * HV * VP), nan16);
   std::vector<uint16_t> u(U.size(), nan16), dvw(U.size(), nan16), dW(W.size(), nan16);
   std::vector<uint16_t> Tinv(size_t(tokens * HV * kChunk), nan16);
   std::vector<uint16_t> hT(size_t(slots64 * HV * VP * KP), nan16), dS(hT.size(), nan16);
-  std::vector<float> dbeta_part(size_t(VP / 16) * th, NAN), dg_part(size_t(KP / 64) * th, NAN);
+  std::vector<float> dbeta_part(size_t(VP / 16) * th, NAN);
+  std::vector<float> dg_part((per_channel ? size_t(KP) : size_t(KP / 64)) * th, NAN);
   std::vector<float> dq_hv(size_t(tokens * HV * K), NAN), dk_hv(dq_hv.size(), NAN);
-  std::vector<float> dv(vv, NAN), dg(th, NAN), dbeta(th, NAN), dh0(has_h0 ? sn : 0, NAN);
+  std::vector<float> dv(vv, NAN), dg(gn, NAN), dbeta(th, NAN), dh0(has_h0 ? sn : 0, NAN);
   const char* l2_env = std::getenv("RLX_EMU_L2NORM_EPS");
   const bool l2norm = l2_env != nullptr;
   const float l2_eps = l2norm ? float(std::atof(l2_env)) : 0.f;
-  if (l2norm && H != HV) {
-    std::fprintf(stderr, "the fused l2norm backward takes H = HV\n");
+  if (l2norm && (H != HV || per_channel)) {
+    std::fprintf(stderr, "the fused l2norm backward takes H = HV and one gate per head\n");
     return 2;
   }
   const std::vector<uint16_t> q_raw = emu::to_bf16(q), k_raw = emu::to_bf16(k);
@@ -131,6 +154,7 @@ int main(int argc, char** argv) {
   A.q = qb.data(), A.k = kb.data(), A.v = vb.data(), A.g = g.data(), A.beta = beta.data();
   A.h0 = has_h0 ? h0.data() : nullptr;
   A.G = G.data(), A.W = W.data(), A.U = U.data(), A.u = u.data(), A.hT = hT.data();
+  if (per_channel) A.Qg = Qg.data(), A.Kd = Kd.data(), A.P = P.data();
   std::vector<float> ckpt(size_t(slots64 * HV * K * V), NAN);
   const bool narrow = std::getenv("RLX_EMU_NARROW") != nullptr;
   const bool rerun_state = std::getenv("RLX_EMU_RERUN_STATE") != nullptr;
@@ -145,15 +169,18 @@ int main(int argc, char** argv) {
       narrow ? run_state<2, 2>(A, N) : run_state<2, 4>(A, N);
     }
   };
-  // the forward: its checkpoints every 64 tokens and vw
-  A.ckpt = ckpt.data(), A.vw = vw.data();
-  run_prep(A);
-  state();
-  A.ckpt = nullptr, A.vw = nullptr;
+  // the forward: its checkpoints every 64 tokens and vw (per channel: none kept)
+  if (!per_channel) {
+    A.ckpt = ckpt.data(), A.vw = vw.data();
+    run_prep(A);
+    state();
+    A.ckpt = nullptr, A.vw = nullptr;
+  }
   // the backward: what its kernels write starts as NaN again
   for (auto* buf : {&W, &U, &u, &hT, &Tinv}) std::fill(buf->begin(), buf->end(), nan16);
   std::fill(G.begin(), G.end(), NAN);
   A.Tinv = Tinv.data();
+  if (per_channel) A.L = L.data();
   B.dout = dob.data();
   B.dht = has_dht ? dht.data() : nullptr;
   B.vw = vw.data();
@@ -163,7 +190,13 @@ int main(int argc, char** argv) {
   B.dv = dv.data(), B.dg = dg.data(), B.dbeta = dbeta.data();
   B.dh0 = has_h0 ? dh0.data() : nullptr;
   const unsigned nch = unsigned(chunks.size());
-  if (rerun_state) {
+  if (per_channel) {  // (vw from the re-run, for dh_kernel)
+    std::fill(vw.begin(), vw.end(), NAN);
+    A.vw = vw.data();
+    run_prep(A);
+    state();
+    A.vw = nullptr;
+  } else if (rerun_state) {
     run_prep(A);
     state();
   } else {
@@ -179,8 +212,11 @@ int main(int argc, char** argv) {
     narrow ? run_dh<2, 2>(B, N) : run_dh<2, 4>(B, N);
   }
   emu::launch(nch * unsigned(HV * (KP / kBwdTile)), kChunkThreads, dqk_smem(),
-              [&] { dqk_kernel<kBf>(B); });
-  if (l2norm) {
+              [&] { per_channel ? dqk_kernel<kBf, true>(B) : dqk_kernel<kBf>(B); });
+  if (per_channel) {
+    emu::launch(nch * unsigned(HV), kChunkThreads, kda_wy_smem(A.KP),
+                [&] { kda_wy_kernel<kBf>(B); });
+  } else if (l2norm) {
     B.q_raw = q_raw.data(), B.k_raw = k_raw.data();
     B.q_rstd = q_rstd.data(), B.k_rstd = k_rstd.data();
     emu::launch(nch * unsigned(HV), kChunkThreads, wy_smem(), [&] { wy_kernel<kBf, true>(B); });
