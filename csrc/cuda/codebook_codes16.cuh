@@ -100,6 +100,27 @@ __device__ __forceinline__ void load8_scalar(const storage_t<e>* p, acc_t<e> (&v
   for (int t = 0; t < 8; ++t) v[t] = elem_to_acc<e>(RLX_LDG(p + t));
 }
 
+// w[t] = sum_m C[m, code[m], t] for one group (D = 8), in the accumulation type; the entries
+// are read with 16-byte loads when `vec_cb` (the codebook starts 16-byte aligned).
+template <Elem e>
+__device__ __forceinline__ void sum_entries8(const storage_t<e>* __restrict__ cb,
+                                             const uint16_t* code, int M, int E, bool vec_cb,
+                                             acc_t<e> (&w)[8]) {
+#pragma unroll
+  for (int t = 0; t < 8; ++t) w[t] = acc_t<e>(0);
+  for (int m = 0; m < M; ++m) {
+    const storage_t<e>* entry = cb + (static_cast<int64_t>(m) * E + code[m]) * 8;
+    acc_t<e> v[8];
+    if (vec_cb) {
+      load8_vec<e>(entry, v);
+    } else {
+      load8_scalar<e>(entry, v);
+    }
+#pragma unroll
+    for (int t = 0; t < 8; ++t) w[t] += v[t];
+  }
+}
+
 // Sum over the warp's lanes by a fixed butterfly: every lane ends with the same total, added
 // in the same order on every run.
 template <typename T>
@@ -143,18 +164,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t g = lane; g < G; g += kLanes) {
     const uint16_t* code = row_codes + g * M;
     if constexpr (DV == 8) {
-      acc w[8] = {};
-      for (int m = 0; m < M; ++m) {
-        const storage_t<e>* entry = cb + (static_cast<int64_t>(m) * E + code[m]) * 8;
-        acc v[8];
-        if (vec_cb) {
-          load8_vec<e>(entry, v);
-        } else {
-          load8_scalar<e>(entry, v);
-        }
-#pragma unroll
-        for (int t = 0; t < 8; ++t) w[t] += v[t];
-      }
+      acc w[8];
+      sum_entries8<e>(cb, code, M, E, vec_cb, w);
 #pragma unroll
       for (int b = 0; b < BT; ++b) {
         if (b >= nb) break;
@@ -197,7 +208,7 @@ __global__ void __launch_bounds__(kThreads)
 
 // W[j, g*D + t] = s_j * sum_m C[m, codes[j, g, m], t] in x's dtype (s_j = 1 without scales):
 // thread p = j * G + g writes the group's D values (DV = 8: 16-byte stores when `vec_w`, i.e.
-// W 16-byte aligned; the entries as in forward_small_kernel).
+// W 16-byte aligned; the entries summed by sum_entries8).
 template <Elem e, int DV>
 __global__ void __launch_bounds__(kThreads)
     dequantize_kernel(const uint16_t* __restrict__ codes, const storage_t<e>* __restrict__ cb,
@@ -213,18 +224,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint16_t* code = codes + p * M;
   storage_t<e>* dst = W + p * D;
   if constexpr (DV == 8) {
-    acc w[8] = {};
-    for (int m = 0; m < M; ++m) {
-      const storage_t<e>* entry = cb + (static_cast<int64_t>(m) * E + code[m]) * 8;
-      acc v[8];
-      if (vec_cb) {
-        load8_vec<e>(entry, v);
-      } else {
-        load8_scalar<e>(entry, v);
-      }
-#pragma unroll
-      for (int t = 0; t < 8; ++t) w[t] += v[t];
-    }
+    acc w[8];
+    sum_entries8<e>(cb, code, M, E, vec_cb, w);
     storage_t<e> o[8];
 #pragma unroll
     for (int t = 0; t < 8; ++t) o[t] = acc_to_elem<e>(w[t] * s);
