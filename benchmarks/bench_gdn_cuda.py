@@ -4,9 +4,10 @@ g/beta, q/k L2-normalized inside both, per-head gate (fla's ``chunk_gated_delta_
 per-channel gate (``chunk_kda``). Times are CUDA-event medians after warm-ups, the two sides
 taking turns. TFLOP/s use the recurrence's count (bench_gdn.py's docstring): 7*K*V per token
 and head forward, 3x that forward+backward. "rlx" is the token recurrence
-(RLX_CUDA_GATED_DELTA_CHUNKED=0 around forward and backward); for the per-head gate the
-chunked tensor-core kernels (the default there) are timed in the same turns; at the end,
-torch.profiler gives the CUDA time per kernel of both paths at the first shape.
+(RLX_CUDA_GATED_DELTA_CHUNKED=0 around forward and backward); the chunked tensor-core
+kernels (the default for 16-bit inputs, either gate) are timed in the same turns; at the end,
+torch.profiler gives the CUDA time per kernel of both paths at the first shape, per-head gate,
+and of the chunked path with the per-channel gate.
 
 Run as a script (``python benchmarks/bench_gdn_cuda.py [--chunk-size 64 128]``) it times the
 chunked path through ``torch.ops.rlx.gated_delta_fwd`` / ``gated_delta_bwd`` directly (first
@@ -59,9 +60,9 @@ def ours(q, k, v, g, beta):
 
 
 def chunked(q, k, v, g, beta):
-    """rlx_torch on the chunked tensor-core kernels (the default for a per-head gate and 16-bit
-    inputs): rlx_path sets RLX_CUDA_GATED_DELTA_CHUNKED=1 around its forward and its backward
-    (the ops read it at every call)."""
+    """rlx_torch on the chunked tensor-core kernels (the default for 16-bit inputs): rlx_path
+    sets RLX_CUDA_GATED_DELTA_CHUNKED=1 around its forward and its backward (the ops read it
+    at every call)."""
     return ours(q, k, v, g, beta)
 
 
@@ -157,12 +158,11 @@ def main_cuda(args):
         for B, T, H, K, V in shapes:
             for mode, backward in (("fwd", False), ("fwd+bwd", True)):
                 inputs = make_inputs(B, T, H, K, V, gate == "channel", backward)
-                fns = [ours] + ([theirs(fla[gate])] if fla else []) + (
-                    [chunked] if gate == "head" else [])
+                fns = [ours] + ([theirs(fla[gate])] if fla else []) + [chunked]
                 with torch.set_grad_enabled(backward):
                     t = time_cuda(fns, inputs, backward, warmup=3, repeats=max(args.repeats, 5))
                 t_ours, t_fla = t[0], (t[1] if fla else None)
-                t_chunked = t[-1] if gate == "head" else None
+                t_chunked = t[-1]
                 flops = 7 * K * V * B * T * H * (3 if backward else 1)
                 row = dict(gate=gate, mode=mode, B=B, T=T, H=H, K=K, V=V,
                            rlx_ms=round(t_ours, 3), fla_ms=round(t_fla, 3) if t_fla else None,
@@ -182,14 +182,18 @@ def main_cuda(args):
                       f"({row['rlx_tflops']:.2f} TFLOP/s)  {fla_text}{token_text}", flush=True)
                 del inputs
     profiles = {}
-    for (name, fn), (mode, backward) in itertools.product(
-            () if args.no_profile else (("token", ours), ("chunked", chunked)),
-            (("fwd", False), ("fwd+bwd", True))):
-        rows = kernel_profile(fn, *SHAPES[0], False, backward)
-        profiles[f"{name} {mode}"] = rows
-        print(f"per-kernel CUDA time, {name}, head gate, {mode}, shape {SHAPES[0]} (us per call):")
-        for us, name in rows:
-            print(f"  {us:10.1f}  {name}")
+    paths = [("token", ours, False), ("chunked", chunked, False), ("chunked", chunked, True)]
+    for (path, fn, per_channel), (mode, backward) in itertools.product(
+            () if args.no_profile else paths, (("fwd", False), ("fwd+bwd", True))):
+        gate = "channel" if per_channel else "head"
+        if args.gate not in ("both", gate):
+            continue
+        rows = kernel_profile(fn, *SHAPES[0], per_channel, backward)
+        profiles[f"{path} {gate} {mode}"] = rows
+        print(f"per-kernel CUDA time, {path}, {gate} gate, {mode}, shape {SHAPES[0]} "
+              "(us per call):")
+        for us, kernel in rows:
+            print(f"  {us:10.1f}  {kernel}")
     print(json.dumps({"bench": "gated_delta_rule_cuda", "profile": profiles, "device": name,
                       "fla": fla["version"] if fla else None, "results": results}))
 

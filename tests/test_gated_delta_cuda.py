@@ -323,7 +323,7 @@ def test_noncontiguous_empty_and_cpu_cu_seqlens():
 
 
 @pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
-                                                     (True, False)])
+                                                     (True, False), (True, True)])
 def test_deterministic_bitwise(per_channel, chunked, monkeypatch):
     monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if chunked else "0")
     inputs = to(make_inputs(B=2, T=300, H=2, HV=4, K=64, V=96, per_channel=per_channel,
@@ -507,7 +507,7 @@ FLA_TOL = {"o": 0.005, "ht": 0.005, "dq": 0.008, "dk": 0.008, "dv": 0.008,
 
 
 @pytest.mark.parametrize(("per_channel", "chunked"), [(False, False), (False, True),
-                                                     (True, False)])
+                                                     (True, False), (True, True)])
 def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
     monkeypatch.setenv("RLX_CUDA_GATED_DELTA_CHUNKED", "1" if chunked else "0")
     chunk_gdn, chunk_kda = _fla()
