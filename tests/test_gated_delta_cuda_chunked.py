@@ -106,16 +106,8 @@ def test_chunked_backward_deterministic_bitwise(per_channel, monkeypatch):
 
 
 KDA_CASES = {  # the per-channel gate (KDA): the chunked kernels take K <= 128
-    "T20_state": dict(B=2, T=20, H=2, HV=2, K=32, V=32, state=True),
-    "T64": dict(B=1, T=64, H=1, HV=1, K=64, V=64),
-    "T1000_K128_state": dict(B=2, T=1000, H=2, HV=2, K=128, V=128, state=True),
+    **CHUNKED_BWD_CASES,
     "odd_k_v_state": dict(B=1, T=130, H=1, HV=1, K=37, V=23, state=True),
-    "gva_varlen_empty": dict(B=1, T=700, H=1, HV=3, K=64, V=96, state=True,
-                             cu_seqlens=[0, 64, 64, 65, 400, 700]),
-    "ragged_kv_l2norm": dict(B=1, T=200, H=2, HV=2, K=40, V=70, normalize_k=False,
-                             use_qk_l2norm=True),
-    "strong_decay": dict(B=1, T=300, H=1, HV=2, K=64, V=64, state=True, g_scale=30.0),
-    "chunk128": dict(B=1, T=300, H=1, HV=1, K=32, V=32, state=True, chunk_size=128),
     # V = 256: the chunked forward, and the token backward (the chunked one takes V <= 128)
     "V256": dict(B=1, T=200, H=1, HV=1, K=128, V=256, state=True),
 }
