@@ -103,28 +103,36 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
   }
   uint16_t* P = A.P + (e.t0 * d.HV + hv) * kChunk;
   const int64_t p_stride = int64_t(d.HV) * kChunk;
-  // the diagonal block of warp w, elementwise: lane (i = 16w + lane % 16, half = lane / 16)
-  // sums half of the channels of every (i, j) of the block, the two halves joined by a shuffle
+  // the diagonal block of warp w, elementwise: lane (i = 16w + lane % 16, par = lane / 16)
+  // sums every channel of (i, j) for the eight j = 16w + 2jj + par at once (eight independent
+  // chains per lane, q_i, k_i, G_i read once per channel for all of them). Pairs j > i take
+  // e^-inf = 0, so their sums stay 0 whatever the gate.
   {
-    const int i = 16 * w + lane % 16, c0 = (lane / 16) * (KP / 2);
-    for (int jj = 0; jj < 16; ++jj) {
-      const int j = 16 * w + jj;
-      float l = 0.f, p = 0.f;
-      if (j <= i) {
-        for (int c = c0; c < c0 + KP / 2; ++c) {
-          const float f = exp(sG[i * ldG + c] - sG[j * ldG + c]) *
-                          bits_to_float<kind>(sK[j * ldK + c]);
-          l += bits_to_float<kind>(sK[i * ldK + c]) * f;
-          p += bits_to_float<kind>(sQ[i * ldK + c]) * f;
+    const int i = 16 * w + lane % 16, par = lane / 16;
+    float l[8] = {}, p[8] = {};
+    for (int c = 0; c < KP; c += 2) {
+      const uint32_t kiw = word_at(sK + i * ldK + c), qiw = word_at(sQ + i * ldK + c);
+#pragma unroll
+      for (int x = 0; x < 2; ++x) {
+        const float gi = sG[i * ldG + c + x];
+        const float ki = bits_to_float<kind>(uint16_t(kiw >> (16 * x)));
+        const float qi = bits_to_float<kind>(uint16_t(qiw >> (16 * x)));
+#pragma unroll
+        for (int jj = 0; jj < 8; ++jj) {
+          const int j = 16 * w + 2 * jj + par;
+          const float kj = bits_to_float<kind>(sK[j * ldK + c + x]);
+          const float f = exp(j <= i ? gi - sG[j * ldG + c + x] : -INFINITY) * kj;
+          l[jj] += ki * f;
+          p[jj] += qi * f;
         }
       }
-      l += __shfl_xor_sync(kFull, l, 16);
-      p += __shfl_xor_sync(kFull, p, 16);
-      if (lane < 16) {
-        sM[i * (kChunk + 1) + j] = j < i ? l * sBeta[j] : 0.f;
-        if (A.L != nullptr && i < len) A.L[i * p_stride + j + (e.t0 * d.HV + hv) * kChunk] = j < i ? l : 0.f;
-        if (i < len) P[i * p_stride + j] = float_to_bits<kind>(j <= i ? p : 0.f);
-      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int j = 16 * w + 2 * jj + par;
+      sM[i * (kChunk + 1) + j] = j < i ? l[jj] * sBeta[j] : 0.f;
+      if (A.L != nullptr && i < len) A.L[i * p_stride + j + (e.t0 * d.HV + hv) * kChunk] = j < i ? l[jj] : 0.f;
+      if (i < len) P[i * p_stride + j] = float_to_bits<kind>(j <= i ? p[jj] : 0.f);
     }
     for (int idx = lane; idx < 16 * (kChunk - 16 * w - 16); idx += kWarp) {  // above the block
       const int ii = 16 * w + idx / (kChunk - 16 * w - 16);

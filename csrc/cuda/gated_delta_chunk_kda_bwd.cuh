@@ -230,31 +230,48 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
           X24[nt][r] += exp(sG[16 * a * ldG + c] - sG[j * ldG + c]) * t[nt][r];
         }
     }
-    // X1, X3 to the rows' own scale; the diagonal block term by term
+    // X1, X3 to the rows' own scale; then the diagonal block term by term, y outermost so that
+    // the lane's 32 elements are 32 independent chains. One exponential per (x, y, c): the
+    // pairs y <= x take e^(G_x - G_y) (X1, X3), y >= x e^(G_y - G_x) (X24), both at y = x.
+    float gx[8][4];
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
       for (int r = 0; r < 4; ++r) {
-        const int x = acc_row(m0, r, lane), cl = acc_col(nt, r, lane), c = k0 + cl;
-        const float f = exp(sG[x * ldG + c] - sG[m0 * ldG + c]);
-        float x1 = f * X1[nt][r], x3 = f * X3[nt][r], x24 = X24[nt][r];
-        for (int y = m0; y < m0 + 16; ++y) {
-          const float ky = bits_to_float<kind>(s1[y * ld + cl]);
-          if (y <= x) {
-            const float E = exp(sG[x * ldG + c] - sG[y * ldG + c]) * ky;
-            x1 += bits_to_float<kind>(sDP[x * ld + y]) * E;
-            x3 += bits_to_float<kind>(sDL[x * ld + y]) * E;  // (0 at y = x)
-          }
-          if (y >= x) {
-            const float E = exp(sG[y * ldG + c] - sG[x * ldG + c]);
-            x24 += (bits_to_float<kind>(sDP[y * ld + x]) * bits_to_float<kind>(s0[y * ld + cl]) +
-                    bits_to_float<kind>(sDL[y * ld + x]) * ky) * E;
-          }
-        }
-        X1[nt][r] = x1;
-        X3[nt][r] = x3;
-        X24[nt][r] = x24;
+        const int x = acc_row(m0, r, lane), c = k0 + acc_col(nt, r, lane);
+        gx[nt][r] = sG[x * ldG + c];
+        const float f = exp(gx[nt][r] - sG[m0 * ldG + c]);
+        X1[nt][r] *= f;
+        X3[nt][r] *= f;
       }
+    for (int y = m0; y < m0 + 16; ++y) {
+      float dpxy[2], dlxy[2], dpyx[2], dlyx[2];  // rows x = m0 + lane / 4 + 8h
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int x = m0 + lane / 4 + 8 * h;
+        dpxy[h] = y <= x ? bits_to_float<kind>(sDP[x * ld + y]) : 0.f;
+        dlxy[h] = y <= x ? bits_to_float<kind>(sDL[x * ld + y]) : 0.f;  // (0 at y = x)
+        dpyx[h] = y >= x ? bits_to_float<kind>(sDP[y * ld + x]) : 0.f;
+        dlyx[h] = y >= x ? bits_to_float<kind>(sDL[y * ld + x]) : 0.f;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const int cl = acc_col(nt, 0, lane);
+        const uint32_t kyw = word_at(s1 + y * ld + cl), qyw = word_at(s0 + y * ld + cl);
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const int h = r / 2, x = m0 + lane / 4 + 8 * h;
+          const float ky = bits_to_float<kind>(uint16_t(kyw >> (16 * (r % 2))));
+          const float qy = bits_to_float<kind>(uint16_t(qyw >> (16 * (r % 2))));
+          const float dxy = gx[nt][r] - sG[y * ldG + k0 + cl + r % 2];
+          const float E = exp(y <= x ? dxy : -dxy);
+          const float Ek = E * ky;
+          X1[nt][r] += dpxy[h] * Ek;
+          X3[nt][r] += dlxy[h] * Ek;
+          X24[nt][r] += (dpyx[h] * qy + dlyx[h] * ky) * E;
+        }
+      }
+    }
     float kg[8][4] = {};  // T'^T dW'
     warp_mma<kind, true, true, 8>(kg, sT, ld, m0, s2, ld, 0, 0, kChunk, lane);
 #pragma unroll
