@@ -35,16 +35,19 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
   float* sG = dynamic_smem<float>();            // [64][KP+1] G (rows past len: G_last)
   float* sBeta = sG + kChunk * ldG;             // [64]
   float* sColM = sBeta + kChunk;                // [4][64] column sums of dM o L per warp
-  float* sDG = sColM + kChunkWarps * kChunk;    // [64][65] dL/dG of one 64-channel tile
-  uint16_t* sT = reinterpret_cast<uint16_t*>(sDG + kChunk * (kChunk + 1));  // [64][72] T'
+  uint16_t* sT = reinterpret_cast<uint16_t*>(sColM + kChunkWarps * kChunk);  // [64][72] T'
   uint16_t* sDP = sT + kChunk * ld;   // [64][72] dP
   uint16_t* sDL = sDP + kChunk * ld;  // [64][72] dT', then dL
   uint16_t* s0 = sDL + kChunk * ld;   // [64][72] streamed tiles (then Q)
   uint16_t* s1 = s0 + kChunk * ld;    // (then K)
-  uint16_t* s2 = s1 + kChunk * ld;    // (then dW')
-  uint16_t* sQa = s2 + kChunk * ld;   // [64][72] q_i o e^(G_i - G_r), r = 16 (i / 16)
+  uint16_t* sQa = s1 + kChunk * ld;   // [64][72] q_i o e^(G_i - G_r), r = 16 (i / 16)
   uint16_t* sKa = sQa + kChunk * ld;  // [64][72] k_i o e^(G_i - G_r)
   uint16_t* sB = sKa + kChunk * ld;   // [4][16][72] warp w: k_j o e^(G_16w - G_j), one b
+  // Aliases, so that two blocks fit on an SM (the kernel is latency-bound): the third streamed
+  // tile (then dW') is sB, which the channel loop reads only before it loads dW'; dL/dG of one
+  // 64-channel tile ([64][65] float) is sQa and sKa, read only before it is written.
+  uint16_t* s2 = sB;
+  float* sDG = reinterpret_cast<float*>(sQa);
   const int64_t qk_stride = int64_t(d.H) * d.K, v_stride = int64_t(d.HV) * d.V;
   const int64_t pv_stride = int64_t(d.HV) * VP, pk_stride = int64_t(d.HV) * KP;
   const uint16_t* q = A.q + e.t0 * qk_stride + int64_t(h) * d.K;
@@ -174,7 +177,6 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
     __syncthreads();  // the previous tile's readers are done
     load_tile_async<kind>(s0, ld, q + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
     load_tile_async<kind>(s1, ld, k + k0, qk_stride, kChunk, kBwdTile, len, k_ok);
-    load_tile_async<kind>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
     tiles_landed();
     for (int idx = threadIdx.x; idx < kChunk * kBwdTile; idx += blockDim.x) {
       const int i = idx / kBwdTile, c = idx % kBwdTile, r = 16 * (i / 16);
@@ -230,6 +232,8 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
           X24[nt][r] += exp(sG[16 * a * ldG + c] - sG[j * ldG + c]) * t[nt][r];
         }
     }
+    __syncthreads();  // every warp is done with sB (s2), sQa and sKa (sDG)
+    load_tile_async<kind>(s2, ld, dW + k0, pk_stride, kChunk, kBwdTile, len, kBwdTile);
     // X1, X3 to the rows' own scale; then the diagonal block term by term, y outermost so that
     // the lane's 32 elements are 32 independent chains. One exponential per (x, y, c): the
     // pairs y <= x take e^(G_x - G_y) (X1, X3), y >= x e^(G_y - G_x) (X24), both at y = x.
@@ -272,6 +276,7 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
         }
       }
     }
+    tiles_landed();  // (dW')
     float kg[8][4] = {};  // T'^T dW'
     warp_mma<kind, true, true, 8>(kg, sT, ld, m0, s2, ld, 0, 0, kChunk, lane);
 #pragma unroll
@@ -307,9 +312,10 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
 }
 
 __host__ __device__ inline size_t kda_wy_smem(int KP) {
-  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk + kChunkWarps * kChunk +
-                          kChunk * (kChunk + 1)) +
-         sizeof(uint16_t) * 9 * size_t(kChunk) * (kChunk + kPad);
+  static_assert(sizeof(float) * kChunk * (kChunk + 1) <= 2 * sizeof(uint16_t) * kChunk * (kChunk + kPad),
+                "dL/dG of a tile fits sQa and sKa");
+  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk + kChunkWarps * kChunk) +
+         sizeof(uint16_t) * 8 * size_t(kChunk) * (kChunk + kPad);
 }
 
 }  // namespace rlx::gdn::cuda
