@@ -29,6 +29,20 @@
 
 namespace rlx::gdn::cuda {
 
+// Bytes of kda_prep_kernel's region R: sKa and sQa, later M (float32) and V.
+__host__ __device__ inline size_t kda_prep_region(int KP, int VP) {
+  const size_t factors = sizeof(uint16_t) * 2 * size_t(kChunk) * (KP + kPad);
+  const size_t m_v = sizeof(float) * size_t(kChunk) * (kChunk + 1) +
+                     sizeof(uint16_t) * size_t(kChunk) * (VP + kPad);
+  return factors > m_v ? factors : m_v;
+}
+
+__host__ __device__ inline size_t kda_prep_smem(int KP, int VP) {
+  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk) +
+         sizeof(uint16_t) * size_t(kChunk) * (2 * (KP + kPad) + (kChunk + kPad)) +
+         kda_prep_region(KP, VP);
+}
+
 // ---- prep for a per-channel gate: one chunk and value head -----------------------------------
 template <Bits16 kind>
 __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs A) {
@@ -39,16 +53,20 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
   const int len = int(e.len);
   // G rows of KP + 1 floats: the lanes of a warp that read one column of 16 rows hit 16 banks
   const int ldG = KP + 1, ldK = KP + kPad, ldV = VP + kPad;
+  // Regions are reused as the kernel goes, so that two blocks fit on an SM at K = V = 128
+  // (kda_prep_smem): sQ holds Q (the diagonal blocks), then sB (the blocks b < a), then K o e^G;
+  // the region R holds sKa and sQa (up to the blocks b < a), then M and V.
   float* sG = dynamic_smem<float>();   // [64][KP+1] G
   float* sBeta = sG + kChunk * ldG;    // [64]
-  float* sM = sBeta + kChunk;          // [64][65] M = L diag(beta) (float32)
-  uint16_t* sK = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][KP+8] K
+  uint16_t* sK = reinterpret_cast<uint16_t*>(sBeta + kChunk);  // [64][KP+8] K
   uint16_t* sQ = sK + kChunk * ldK;    // [64][KP+8] Q, then K o e^G
-  uint16_t* sKa = sQ + kChunk * ldK;   // [64][KP+8] k_i o e^(G_i - G_r), r = 16 (i / 16)
+  uint16_t* sB = sQ;                   // [4][16][KP+8] warp w: k_j o e^(G_16w - G_j), one b
+  uint16_t* sR = sQ + kChunk * ldK;    // the region R
+  uint16_t* sKa = sR;                  // [64][KP+8] k_i o e^(G_i - G_r), r = 16 (i / 16)
   uint16_t* sQa = sKa + kChunk * ldK;  // [64][KP+8] q_i o e^(G_i - G_r)
-  uint16_t* sB = sQa + kChunk * ldK;   // [4][16][KP+8] warp w: k_j o e^(G_16w - G_j), one b
-  uint16_t* sV = sB + kChunk * ldK;    // [64][VP+8] V
-  uint16_t* sT = sV + kChunk * ldV;    // [64][72] T'
+  float* sM = reinterpret_cast<float*>(sR);  // [64][65] M = L diag(beta) (float32)
+  uint16_t* sV = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][VP+8] V
+  uint16_t* sT = sR + kda_prep_region(KP, VP) / sizeof(uint16_t);  // [64][72] T'
   const int64_t g_stride = int64_t(d.HV) * d.K;
   for (int idx = threadIdx.x; idx < kChunk * KP; idx += blockDim.x) {
     const int i = idx / KP, c = idx % KP;
@@ -62,10 +80,6 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
                         KP, len, d.K);
   load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
                         KP, len, d.K);
-  if (A.U != nullptr) {  // (the backward's prep needs no U')
-    load_tile_async<kind>(sV, ldV, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
-                          VP, len, d.V);
-  }
   __syncthreads();
   // the cumulative gate, one channel per thread (rows past len add g = 0: G_last)
   for (int c = threadIdx.x; c < KP; c += blockDim.x) {
@@ -107,6 +121,7 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
   // sums every channel of (i, j) for the eight j = 16w + 2jj + par at once (eight independent
   // chains per lane, q_i, k_i, G_i read once per channel for all of them). Pairs j > i take
   // e^-inf = 0, so their sums stay 0 whatever the gate.
+  float ldiag[8];
   {
     const int i = 16 * w + lane % 16, par = lane / 16;
     float l[8] = {}, p[8] = {};
@@ -130,7 +145,7 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
       const int j = 16 * w + 2 * jj + par;
-      sM[i * (kChunk + 1) + j] = j < i ? l[jj] * sBeta[j] : 0.f;
+      ldiag[jj] = j < i ? l[jj] : 0.f;  // (M's diagonal block: once sKa and sQa are read)
       if (A.L != nullptr && i < len) A.L[i * p_stride + j + (e.t0 * d.HV + hv) * kChunk] = j < i ? l[jj] : 0.f;
       if (i < len) P[i * p_stride + j] = float_to_bits<kind>(j <= i ? p[jj] : 0.f);
     }
@@ -174,6 +189,16 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
       }
     }
   }
+  __syncthreads();  // every warp is done with sKa and sQa: R takes M and V
+  if (A.U != nullptr) {  // (the backward's prep needs no U')
+    load_tile_async<kind>(sV, ldV, A.v + e.t0 * v_stride + int64_t(hv) * d.V, v_stride, kChunk,
+                          VP, len, d.V);
+  }
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj) {
+    const int i = 16 * w + lane % 16, j = 16 * w + 2 * jj + lane / 16;
+    sM[i * (kChunk + 1) + j] = ldiag[jj] * sBeta[j];
+  }
 #pragma unroll
   for (int nt = 0; nt < 6; ++nt) {
     if (nt >= 2 * w) continue;
@@ -201,18 +226,13 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
     const int i = idx / KP, c = idx % KP;
     sQ[i * ldK + c] = float_to_bits<kind>(bits_to_float<kind>(sK[i * ldK + c]) * exp(sG[i * ldG + c]));
   }
-  __syncthreads();
+  tiles_landed();  // (and V)
   // W' = T' (K o e^G), U' = T' V
   store_t_product<kind>(sT, sQ, ldK, KP, A.W + e.t0 * pk_stride + int64_t(hv) * KP, pk_stride, len);
   if (A.U != nullptr) {
     const int64_t pv_stride = int64_t(d.HV) * VP;
     store_t_product<kind>(sT, sV, ldV, VP, A.U + e.t0 * pv_stride + int64_t(hv) * VP, pv_stride, len);
   }
-}
-
-__host__ __device__ inline size_t kda_prep_smem(int KP, int VP) {
-  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk + kChunk * (kChunk + 1)) +
-         sizeof(uint16_t) * size_t(kChunk) * (5 * (KP + kPad) + (VP + kPad) + (kChunk + kPad));
 }
 
 }  // namespace rlx::gdn::cuda
