@@ -15,6 +15,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+# the tree first, then whatever the caller put on PYTHONPATH (fla or pytest-xdist installed
+# with pip --target, say)
+TREE_PATH=".${PYTHONPATH:+:$PYTHONPATH}"
 LOG_DIR="${RLX_VERIFY_DIR:-build/verify_cuda}"
 mkdir -p "$LOG_DIR"
 declare -a SUMMARY=()
@@ -45,20 +48,20 @@ if "$PY" -c "import xdist" >/dev/null 2>&1; then
   parallel=(-n 8)
 fi
 # No -x: one failure must not hide the others.
-step cuda_tests env PYTHONPATH=. "$PY" -m pytest -q -ra ${parallel[@]+"${parallel[@]}"} \
+step cuda_tests env PYTHONPATH="$TREE_PATH" "$PY" -m pytest -q -ra ${parallel[@]+"${parallel[@]}"} \
   tests/test_codebook_cuda.py tests/test_gated_delta_cuda.py \
   tests/test_gated_delta_cuda_chunked.py -k "not matches_fla"
 if "$PY" -c "import fla.ops.gated_delta_rule" >/dev/null 2>&1; then
   for case in False-False False-True True-False True-True; do
-    step "fla_$case" env PYTHONPATH=. "$PY" -m pytest -q -ra -s -p no:xdist \
+    step "fla_$case" env PYTHONPATH="$TREE_PATH" "$PY" -m pytest -q -ra -s -p no:xdist \
       "tests/test_gated_delta_cuda.py::test_matches_fla[$case]"
   done
 else
   SUMMARY+=("SKIP  fla comparisons: fla does not import here (pip install fla-core)")
 fi
-step bench_codebook env PYTHONPATH=. "$PY" benchmarks/bench_codebook.py --device cuda
+step bench_codebook env PYTHONPATH="$TREE_PATH" "$PY" benchmarks/bench_codebook.py --device cuda
 for gate in head channel; do
-  step "bench_gdn_$gate" env PYTHONPATH=. "$PY" benchmarks/bench_gdn.py --device cuda \
+  step "bench_gdn_$gate" env PYTHONPATH="$TREE_PATH" "$PY" benchmarks/bench_gdn.py --device cuda \
     --gate "$gate"
 done
 

@@ -10,6 +10,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-.venv/bin/python}"
+# the tree first, then whatever the caller put on PYTHONPATH
+TREE_PATH=".${PYTHONPATH:+:$PYTHONPATH}"
 LOG_DIR="${RLX_VERIFY_DIR:-build/verify_macos}"
 mkdir -p "$LOG_DIR"
 declare -a SUMMARY=()
@@ -44,11 +46,11 @@ PY
 # Apple's Metal compiler on every kernel source: SKIP (with how to get it) without the toolchain
 step metal_compile bash scripts/metal_compile.sh "$LOG_DIR/air"
 step build "$PY" setup.py -q build_ext --inplace
-step mps_tests env PYTHONPATH=. "$PY" -m pytest -q -ra tests/test_metal_mps_codebook.py \
+step mps_tests env PYTHONPATH="$TREE_PATH" "$PY" -m pytest -q -ra tests/test_metal_mps_codebook.py \
   tests/test_metal_mps_gated_delta.py
 # No -x: one failure must not hide the others.
-step full_suite env PYTHONPATH=. "$PY" -m pytest -q tests
-step bench env PYTHONPATH=. "$PY" benchmarks/bench_mps.py --device mps
+step full_suite env PYTHONPATH="$TREE_PATH" "$PY" -m pytest -q tests
+step bench env PYTHONPATH="$TREE_PATH" "$PY" benchmarks/bench_mps.py --device mps
 
 echo
 echo "---- rlx_torch verify_macos summary (paste into an issue) ----"

@@ -22,7 +22,7 @@ def fake_python(tmp_path):
     py = tmp_path / "python"
     py.write_text(
         "#!/usr/bin/env bash\n"
-        f'echo "$*" >> {calls}\n'
+        f'echo "$* PYTHONPATH=$PYTHONPATH" >> {calls}\n'
         'case "$*" in\n'
         '  -) cat > /dev/null; [ -z "$NO_CUDA" ];;\n'
         '  "-c import xdist") exit 1;;\n'
@@ -89,3 +89,15 @@ def test_no_cuda_device_stops_before_building(fake_python):
     assert result.returncode == 2
     assert "no usable CUDA device" in result.stderr
     assert not any("setup.py" in c for c in calls.read_text().splitlines())
+
+
+def test_the_callers_pythonpath_follows_the_tree(fake_python):
+    """fla or pytest-xdist installed with pip --target stays importable in every step."""
+    calls, env = fake_python
+    env["PYTHONPATH"] = "/opt/fla-site"
+    result = _run(env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    runs = [c for c in calls.read_text().splitlines() if "-m pytest" in c or "bench" in c]
+    assert runs
+    for call in runs:
+        assert call.endswith(" PYTHONPATH=.:/opt/fla-site"), call
