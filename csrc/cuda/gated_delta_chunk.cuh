@@ -313,6 +313,29 @@ __device__ __forceinline__ void tiles_landed() {
   __syncthreads();
 }
 
+// Float32 rows [rows][cols] (source row stride `stride`) into shared memory (row stride ld),
+// with 16-byte cp.async where rows move as 4-float vectors, else with plain loads. Columns at or
+// past cols_ok are zero; rows at or past rows_ok are zero, or with kRepeatLast copies of row
+// rows_ok - 1 (rows_ok >= 1). The caller commits, waits and syncs the block before reading dst.
+template <bool kRepeatLast = false>
+__device__ __forceinline__ void load_rows_async(float* dst, int ld, const float* src,
+                                                int64_t stride, int rows, int cols, int rows_ok,
+                                                int cols_ok) {
+  const bool vec = cols_ok % 4 == 0 && cols % 4 == 0 && stride % 4 == 0 && ld % 4 == 0 &&
+                   reinterpret_cast<uintptr_t>(src) % 16 == 0;
+  const int step = vec ? 4 : 1, per_row = cols / step;
+  for (int idx = threadIdx.x; idx < rows * per_row; idx += blockDim.x) {
+    const int r = idx / per_row, c = step * (idx % per_row);
+    const int from = kRepeatLast ? min(r, rows_ok - 1) : r;
+    const bool ok = (kRepeatLast || r < rows_ok) && c < cols_ok;
+    if (vec && ok) {
+      rlx::codebook::cuda::copy16_async(dst + r * ld + c, src + from * stride + c);
+    } else {
+      for (int x = 0; x < step; ++x) dst[r * ld + c + x] = ok ? src[from * stride + c + x] : 0.f;
+    }
+  }
+}
+
 // T' = (I + M)^-1 (M strictly lower, float32 [64][65]) into sT (16-bit, [64][72]) by forward
 // substitution, one column c per thread (x in registers): x_i = delta_ic - sum_{j < i} M_ij x_j
 // (x_j = 0 for j < c). Also T' rows 0 .. len - 1 to Tinv (row stride tinv_stride) when given.

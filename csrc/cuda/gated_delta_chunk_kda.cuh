@@ -38,7 +38,7 @@ __host__ __device__ inline size_t kda_prep_region(int KP, int VP) {
 }
 
 __host__ __device__ inline size_t kda_prep_smem(int KP, int VP) {
-  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk) +
+  return sizeof(float) * (size_t(kChunk) * (KP + 4) + kChunk) +
          sizeof(uint16_t) * size_t(kChunk) * (2 * (KP + kPad) + (kChunk + kPad)) +
          kda_prep_region(KP, VP);
 }
@@ -51,12 +51,13 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
   const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
   const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
   const int len = int(e.len);
-  // G rows of KP + 1 floats: the lanes of a warp that read one column of 16 rows hit 16 banks
-  const int ldG = KP + 1, ldK = KP + kPad, ldV = VP + kPad;
+  // G rows of KP + 4 floats: 16-byte aligned for the copies, and the lanes of a warp that read
+  // one column of 16 rows hit 8 banks at most twice each
+  const int ldG = KP + 4, ldK = KP + kPad, ldV = VP + kPad;
   // Regions are reused as the kernel goes, so that two blocks fit on an SM at K = V = 128
   // (kda_prep_smem): sQ holds Q (the diagonal blocks), then sB (the blocks b < a), then K o e^G;
   // the region R holds sKa and sQa (up to the blocks b < a), then M and V.
-  float* sG = dynamic_smem<float>();   // [64][KP+1] G
+  float* sG = dynamic_smem<float>();   // [64][KP+4] G
   float* sBeta = sG + kChunk * ldG;    // [64]
   uint16_t* sK = reinterpret_cast<uint16_t*>(sBeta + kChunk);  // [64][KP+8] K
   uint16_t* sQ = sK + kChunk * ldK;    // [64][KP+8] Q, then K o e^G
@@ -68,10 +69,11 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
   uint16_t* sV = reinterpret_cast<uint16_t*>(sM + kChunk * (kChunk + 1));  // [64][VP+8] V
   uint16_t* sT = sR + kda_prep_region(KP, VP) / sizeof(uint16_t);  // [64][72] T'
   const int64_t g_stride = int64_t(d.HV) * d.K;
-  for (int idx = threadIdx.x; idx < kChunk * KP; idx += blockDim.x) {
-    const int i = idx / KP, c = idx % KP;
-    sG[i * ldG + c] = i < len && c < d.K ? A.g[(e.t0 + i) * g_stride + int64_t(hv) * d.K + c] : 0.f;
-  }
+  // the gate rows in one group of copies, Q and K in the next: the cumulative sum waits for
+  // the first only
+  load_rows_async(sG, ldG, A.g + e.t0 * g_stride + int64_t(hv) * d.K, g_stride, kChunk, KP, len,
+                  d.K);
+  rlx::codebook::cuda::async_commit();
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
   }
@@ -80,6 +82,8 @@ __global__ void __launch_bounds__(kChunkThreads) kda_prep_kernel(const ChunkArgs
                         KP, len, d.K);
   load_tile_async<kind>(sQ, ldK, A.q + e.t0 * qk_stride + int64_t(h) * d.K, qk_stride, kChunk,
                         KP, len, d.K);
+  rlx::codebook::cuda::async_commit();
+  rlx::codebook::cuda::async_wait<1>();
   __syncthreads();
   // the cumulative gate, one channel per thread (rows past len add g = 0: G_last)
   for (int c = threadIdx.x; c < KP; c += blockDim.x) {

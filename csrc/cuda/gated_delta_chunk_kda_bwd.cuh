@@ -31,8 +31,8 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
   const int KP = A.KP, VP = A.VP, lane = threadIdx.x % kWarp, w = threadIdx.x / kWarp;
   const int hv = int(blockIdx.x % d.HV), h = hv / d.group;
   const ChunkEntry e = A.chunks[blockIdx.x / d.HV];
-  const int len = int(e.len), ld = kChunk + kPad, ldG = KP + 1, m0 = 16 * w;
-  float* sG = dynamic_smem<float>();            // [64][KP+1] G (rows past len: G_last)
+  const int len = int(e.len), ld = kChunk + kPad, ldG = KP + 4, m0 = 16 * w;
+  float* sG = dynamic_smem<float>();            // [64][KP+4] G (rows past len: G_last)
   float* sBeta = sG + kChunk * ldG;             // [64]
   float* sColM = sBeta + kChunk;                // [4][64] column sums of dM o L per warp
   uint16_t* sT = reinterpret_cast<uint16_t*>(sColM + kChunkWarps * kChunk);  // [64][72] T'
@@ -57,10 +57,8 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
   const uint16_t* dout = B.dout + e.t0 * v_stride + int64_t(hv) * d.V;
   const uint16_t* v = A.v + e.t0 * v_stride + int64_t(hv) * d.V;
   const float* G = A.G + e.t0 * pk_stride + int64_t(hv) * KP;
-  for (int idx = threadIdx.x; idx < kChunk * KP; idx += blockDim.x) {
-    const int i = idx / KP, c = idx % KP;
-    sG[i * ldG + c] = G[min(i, len - 1) * pk_stride + c];
-  }
+  // (landed with the first tiles below; rows 16-byte aligned for the copies)
+  load_rows_async<true>(sG, ldG, G, pk_stride, kChunk, KP, len, KP);
   for (int i = threadIdx.x; i < kChunk; i += blockDim.x) {
     sBeta[i] = i < len ? A.beta[(e.t0 + i) * d.HV + hv] : 0.f;
   }
@@ -314,7 +312,7 @@ __global__ void __launch_bounds__(kChunkThreads) kda_wy_kernel(const ChunkBwdArg
 __host__ __device__ inline size_t kda_wy_smem(int KP) {
   static_assert(sizeof(float) * kChunk * (kChunk + 1) <= 2 * sizeof(uint16_t) * kChunk * (kChunk + kPad),
                 "dL/dG of a tile fits sQa and sKa");
-  return sizeof(float) * (size_t(kChunk) * (KP + 1) + kChunk + kChunkWarps * kChunk) +
+  return sizeof(float) * (size_t(kChunk) * (KP + 4) + kChunk + kChunkWarps * kChunk) +
          sizeof(uint16_t) * 8 * size_t(kChunk) * (kChunk + kPad);
 }
 
