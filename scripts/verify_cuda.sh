@@ -10,8 +10,10 @@
 # The first of them compiles fla's Triton kernels, which takes minutes on a fresh machine.
 # The benchmarks run each gate in its own process, so that a fault in one of fla's kernels
 # (fla-core 0.4.2's chunk_kda backward makes an illegal memory access on Hopper) leaves the
-# other's figures. Every step runs even when an earlier one fails; the summary lists
-# PASS/FAIL/SKIP for each.
+# other's figures. On Hopper with Triton < 3.7.1, fla-core 0.5.2 refuses the per-head gate's
+# backward (its comparisons then skip, after holding ours to fla's tolerances against float64)
+# and 0.4.2 faults in the per-channel one: run the script once with each on PYTHONPATH.
+# Every step runs even when an earlier one fails; the summary lists PASS/FAIL/SKIP for each.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"

@@ -526,8 +526,8 @@ def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
         for name, tol in FLA_TOL.items():
             err = rel_rms(ours[name], ref[name])
             assert err <= tol, f"{name}: rel RMS {err:.4f} against float64 > {tol}"
-        pytest.skip(f"fla's kernel crashed on this GPU, so only the float64 reference was "
-                    f"compared: {crash}")
+        pytest.skip(f"fla's kernel crashed or refused to run on this GPU, so only the float64 "
+                    f"reference was compared: {crash}")
     # every error first, so that a failure shows the whole picture
     errs = {name: (rel_rms(ours[name], ref[name]), rel_rms(theirs[name], ref[name]),
                    rel_rms(ours[name], theirs[name])) for name in FLA_TOL}
@@ -549,8 +549,9 @@ def test_matches_fla(per_channel, chunked, monkeypatch, tmp_path):
 def _fla_in_subprocess(per_channel, inputs, cot, tmp_path):
     """fla's outputs and gradients, computed in a child process: an illegal memory access in
     one of fla's kernels (seen with fla 0.4.2's chunk_kda backward on an H200, Triton 3.6)
-    leaves a process's CUDA context unusable. Returns (results, None), or (None, the crash's
-    last line) when the child died of a CUDA error; any other failure fails the test."""
+    leaves a process's CUDA context unusable. Returns (results, None), or (None, the last line)
+    when the child died of a CUDA error or fla refused this GPU with its Triton (fla 0.5.2's
+    per-head backward on Hopper under Triton < 3.7.1); any other failure fails the test."""
     src, dst = tmp_path / "fla_inputs.pt", tmp_path / "fla_outputs.pt"
     torch.save({"inputs": inputs, "cot": cot}, src)
     code = ("import sys; sys.path[:0] = sys.argv[1:3]; import test_gated_delta_cuda as m; "
@@ -563,8 +564,26 @@ def _fla_in_subprocess(per_channel, inputs, cot, tmp_path):
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         if any("CUDA" in ln and ("illegal" in ln or "misaligned" in ln) for ln in lines):
             return None, lines[-1][:300]
+        if lines and _fla_refuses(lines[-1]):
+            return None, lines[-1][:300]
         pytest.fail(f"fla's side failed:\n{proc.stderr[-3000:]}")
     return torch.load(dst), None
+
+
+def _fla_refuses(last_line):
+    """Whether a child's last line is fla declining this GPU with its Triton (fla 0.5.2:
+    "RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for
+    gated chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= 3.7.1 or install tilelang")."""
+    return last_line.startswith("RuntimeError: Triton") and "upgrade Triton" in last_line
+
+
+def test_an_fla_refusal_is_told_apart_from_a_failure():
+    refusal = ("RuntimeError: Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect "
+               "results for gated chunk_bwd_dqkwg (see #640). Please upgrade Triton to >= "
+               "3.7.1 or install tilelang: `pip install tilelang`")
+    assert _fla_refuses(refusal)
+    assert not _fla_refuses("RuntimeError: shape mismatch")
+    assert not _fla_refuses("AssertionError: Triton")
 
 
 def _fla_child(src, dst, per_channel):
