@@ -23,26 +23,6 @@ namespace rlx::codebook::cuda {
 namespace {
 
 namespace c16 = codes16;
-using c16::Elem;
-
-template <typename scalar_t>
-struct ElemOf;
-template <>
-struct ElemOf<float> {
-  static constexpr Elem value = Elem::kFloat;
-};
-template <>
-struct ElemOf<double> {
-  static constexpr Elem value = Elem::kDouble;
-};
-template <>
-struct ElemOf<at::Half> {
-  static constexpr Elem value = Elem::kHalf;
-};
-template <>
-struct ElemOf<at::BFloat16> {
-  static constexpr Elem value = Elem::kBFloat16;
-};
 
 // A tensor of x's dtype as the kernels see it (16-bit types as bit patterns); null if undefined.
 template <typename scalar_t>

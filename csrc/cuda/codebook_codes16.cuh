@@ -23,6 +23,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "codebook_elem.cuh"
 #include "codebook_mma.cuh"
 
 namespace rlx::codebook::cuda::codes16 {
@@ -35,49 +36,12 @@ constexpr int kMaxSmallBatch = 8;     // batch rows of forward_small_kernel (els
 constexpr int kMaxFromXBatch = 16;    // batch rows up to which dC is computed from x
 constexpr int kSegmentCoords = 8;     // entry coordinates t a dcodebook_kernel pass adds
 
-// The dtype of x (and of the codebook, scales, bias), as the kernels see it.
-enum class Elem { kFloat, kDouble, kHalf, kBFloat16 };
-
-template <Elem e>
-struct ElemTypes {  // float16 / bfloat16: bit patterns, float32 accumulation
-  using storage = uint16_t;
-  using acc = float;
-};
-template <>
-struct ElemTypes<Elem::kFloat> {
-  using storage = float;
-  using acc = float;
-};
-template <>
-struct ElemTypes<Elem::kDouble> {
-  using storage = double;
-  using acc = double;
-};
-template <Elem e>
-using storage_t = typename ElemTypes<e>::storage;
-template <Elem e>
-using acc_t = typename ElemTypes<e>::acc;
-
-template <Elem e>
-__device__ __forceinline__ acc_t<e> elem_to_acc(storage_t<e> v) {
-  if constexpr (e == Elem::kHalf) {
-    return bits_to_float<Bits16::kHalf>(v);
-  } else if constexpr (e == Elem::kBFloat16) {
-    return bits_to_float<Bits16::kBFloat16>(v);
-  } else {
-    return v;
-  }
-}
-template <Elem e>
-__device__ __forceinline__ storage_t<e> acc_to_elem(acc_t<e> v) {
-  if constexpr (e == Elem::kHalf) {
-    return float_to_bits<Bits16::kHalf>(v);
-  } else if constexpr (e == Elem::kBFloat16) {
-    return float_to_bits<Bits16::kBFloat16>(v);
-  } else {
-    return v;
-  }
-}
+// The element types (codebook_elem.cuh), by their names here.
+using cuda::acc_t;
+using cuda::acc_to_elem;
+using cuda::Elem;
+using cuda::elem_to_acc;
+using cuda::storage_t;
 
 // Eight consecutive elements at p (16-byte aligned) in the accumulation type: one 16-byte load
 // for 16-bit elements, two for float32, four for float64.

@@ -26,6 +26,7 @@
 #include <optional>
 #include <tuple>
 
+#include "codebook_elem.cuh"
 #include "rlx/acc_type.h"
 #include "rlx/codebook.h"
 
@@ -35,6 +36,26 @@ constexpr int kWarp = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The kernels' element type of an ATen scalar type (codebook_elem.cuh).
+template <typename scalar_t>
+struct ElemOf;
+template <>
+struct ElemOf<float> {
+  static constexpr Elem value = Elem::kFloat;
+};
+template <>
+struct ElemOf<double> {
+  static constexpr Elem value = Elem::kDouble;
+};
+template <>
+struct ElemOf<at::Half> {
+  static constexpr Elem value = Elem::kHalf;
+};
+template <>
+struct ElemOf<at::BFloat16> {
+  static constexpr Elem value = Elem::kBFloat16;
+};
 
 template <typename acc_t, typename T>
 __device__ __forceinline__ acc_t to_acc(T v) {
@@ -442,8 +463,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_codes16(
 
 // Batches above this many rows take the dense (dequantize + cuBLAS) path: forward above 4 rows
 // (the 16-bit D = 8 forward with M <= 2 takes codebook_mma.cuh's kernel up to 16 rows),
-// backward above 16 (where its scatter from x still beats dW through cuBLAS; H200 timings in
-// docs/cuda.md). uint8 codes only: 16-bit codes have their own (codebook_codes16.cu).
+// backward above 16 (the histogram backward's kHistMaxRows, codebook_histogram.cuh). uint8 codes
+// only: 16-bit codes have their own (codebook_codes16.cu).
 inline bool use_dense(const Dims& d) { return d.rows > 4; }
 inline bool use_dense_backward(const Dims& d) { return d.rows > 16; }
 

@@ -1,7 +1,7 @@
 // Just enough of CUDA's device built-ins to run the kernels of csrc/cuda/gated_delta_*.cu and
-// csrc/cuda/codebook_mma.cuh on a CPU: one std::thread per CUDA thread, __syncthreads as a block
-// barrier, warp shuffles and mma.sync through a per-warp exchange with barriers, dynamic shared
-// memory per block; ldmatrix through the same exchange.
+// csrc/cuda/codebook_*.cuh on a CPU: one std::thread per CUDA thread, __syncthreads as a block
+// barrier, warp shuffles, votes and mma.sync through a per-warp exchange with barriers, dynamic
+// shared memory per block; ldmatrix through the same exchange.
 #pragma once
 
 #include <algorithm>
@@ -112,6 +112,35 @@ T __shfl_xor_sync(unsigned, T v, int off) {
   std::memcpy(&r, &w.slots[lane ^ off], sizeof(T));
   w.bar.arrive_and_wait();
   return r;
+}
+
+// A warp barrier, and the warp votes the histogram backward uses (all 32 lanes take part).
+inline void __syncwarp(unsigned = 0xffffffffu) {
+  (*emu::block->warps)[threadIdx.x / 32]->bar.arrive_and_wait();
+}
+inline int __popc(unsigned v) { return __builtin_popcount(v); }
+namespace emu {
+// Every lane's value, exchanged through the warp's slots.
+inline void warp_values(unsigned v, unsigned (&all)[32]) {
+  Warp& w = *(*block->warps)[tid.x / 32];
+  const int lane = tid.x % 32;
+  std::memcpy(&w.slots[lane], &v, sizeof(v));
+  w.bar.arrive_and_wait();
+  for (int l = 0; l < 32; ++l) std::memcpy(&all[l], &w.slots[l], sizeof(unsigned));
+  w.bar.arrive_and_wait();
+}
+}  // namespace emu
+inline unsigned __match_any_sync(unsigned, unsigned key) {
+  unsigned all[32], peers = 0;
+  emu::warp_values(key, all);
+  for (int l = 0; l < 32; ++l)
+    if (all[l] == key) peers |= 1u << l;
+  return peers;
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+  unsigned all[32];
+  emu::warp_values(v, all);
+  return *std::max_element(all, all + 32);
 }
 
 struct uint2 {

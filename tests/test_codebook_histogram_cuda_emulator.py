@@ -1,0 +1,150 @@
+"""The small-batch backward of the 8-bit-code codebook matmul on CUDA
+(csrc/cuda/codebook_histogram.cuh: dx and dcodebook from histograms of the output gradient)
+runs on the CPU: its device code is compiled with g++ against tests/cuda_emu/cuda_shim.h and
+its outputs are compared with float64 references written here from the math. The cases cover
+ragged rounds and chunks (N not a multiple of 32 or of the 512-row chunk), blocks with fewer
+steps than warps and fewer batch rows than their share, several step and batch chunks, steps
+that mix codebooks (M = 2, 3), colliding codes up to a whole warp of one code, every dtype,
+cp.async staging and element loads, and warps run one at a time between barriers.
+tests/test_codebook_cuda.py runs the kernel for real on a GPU. Broken copies of the header (a
+collision rank never added, rows skipped, a chunk read before its copies land) must fail."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from tests.cuda_emu import CXX, ROOT, build_emulator
+
+KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
+HEADER = os.path.join(ROOT, "csrc", "cuda", "codebook_histogram.cuh")
+STEPS, BATCH = 16, 4  # kHistSteps, kHistBatch
+
+# (dtype of x, B, N, G, M, E, D, code pattern, cp.async where the shapes allow)
+CASES = {
+    "float_full_batch_ragged_rows": (torch.float32, 16, 70, 9, 1, 256, 8, "random", True),
+    "half_two_codebooks_two_chunks_async": (torch.float16, 6, 1040, 8, 2, 37, 8, "random", True),
+    "half_two_codebooks_two_chunks_elements": (torch.float16, 6, 1040, 8, 2, 37, 8, "random",
+                                               False),
+    "float_two_step_chunks_async": (torch.float32, 16, 1024, 32, 1, 256, 8, "random", True),
+    "bf16_three_codebooks_d4": (torch.bfloat16, 1, 33, 5, 3, 256, 4, "random", True),
+    "float_collisions_e2_d3": (torch.float32, 5, 64, 4, 1, 2, 3, "random", True),
+    "double_one_code_per_step": (torch.float64, 7, 96, 3, 2, 19, 5, "constant", True),
+    "half_single_row_short": (torch.float16, 2, 1, 7, 1, 256, 8, "random", True),
+}
+
+
+@pytest.fixture(scope="module")
+def emulator(tmp_path_factory):
+    return build_emulator(tmp_path_factory.mktemp("cuda_emu_hist"), "codebook_histogram_emu_main")
+
+
+def _dump(t, path):
+    t = t.contiguous()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)
+    t.numpy().tofile(str(path))
+
+
+def run_case(name, tmp_path, exe, env=None):
+    """The kernel's dx [B, K] and dC [M, E, D] (parts added in float64) and their float64
+    references."""
+    dtype, B, N, G, M, E, D, pattern, vec = CASES[name]
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    gen = torch.Generator().manual_seed(len(name))
+    if pattern == "constant":  # every row of a step has the same code: 32 ranks a round
+        codes = torch.randint(0, E, (1, G, M), generator=gen).expand(N, G, M).contiguous()
+    else:
+        codes = torch.randint(0, E, (N, G, M), generator=gen)
+        codes.view(-1)[::5] = E - 1
+    x = torch.randn(B, G * D, generator=gen, dtype=torch.float64).to(dtype)
+    gs = torch.randn(B, N, generator=gen, dtype=torch.float64).to(acc)
+    cb = torch.randn(M, E, D, generator=gen, dtype=torch.float64).to(acc)
+    _dump(codes.to(torch.uint8), tmp_path / "codes.bin")
+    _dump(x, tmp_path / "x.bin")
+    _dump(gs, tmp_path / "gs.bin")
+    _dump(cb, tmp_path / "cb.bin")
+    proc = subprocess.run([str(a) for a in [exe, tmp_path, KIND[dtype], B, N, G, M, E, D,
+                                            int(vec)]],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr
+    blocks = -(-(G * M) // STEPS) * -(-B // BATCH)
+    dx_parts = torch.from_file(str(tmp_path / "dx.bin"), size=M * B * G * D, dtype=acc)
+    dc_parts = torch.from_file(str(tmp_path / "dc.bin"), size=blocks * M * E * D, dtype=acc)
+    got_dx = dx_parts.view(M, B, G * D).double().sum(0)
+    got_dc = dc_parts.view(blocks, M, E, D).double().sum(0)
+    # references from the math: W[j, g*D + t] = sum_m C[m, code, t]; dx = gs W; dC scatters
+    # dW = gs^T x by code
+    cb64, gs64, x64 = cb.double(), gs.double(), x.double()
+    w = sum(cb64[m][codes[:, :, m]] for m in range(M)).reshape(N, G * D)
+    want_dx = gs64 @ w
+    dw = (gs64.T @ x64).reshape(N * G, D)
+    want_dc = torch.zeros(M, E, D, dtype=torch.float64)
+    for m in range(M):
+        want_dc[m].index_add_(0, codes[:, :, m].reshape(-1), dw)
+    return got_dx, want_dx, got_dc, want_dc
+
+
+def assert_close(got, want, acc, what):
+    tol = 1e-12 if acc == torch.float64 else 2e-6
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_emulated_histogram_backward_matches_reference(case, emulator, tmp_path):
+    got_dx, want_dx, got_dc, want_dc = run_case(case, tmp_path, emulator)
+    acc = torch.float64 if CASES[case][0] == torch.float64 else torch.float32
+    assert_close(got_dx, want_dx, acc, f"{case}: dx")
+    assert_close(got_dc, want_dc, acc, f"{case}: dcodebook")
+
+
+def test_emulated_histogram_backward_serial_warps(emulator, tmp_path):
+    # Warps one at a time between barriers: a pass reading another warp's histogram before
+    # the block barrier would read the NaN that shared memory starts as.
+    env = dict(os.environ, RLX_EMU_SERIAL_WARPS="1")
+    got_dx, want_dx, got_dc, want_dc = run_case("half_two_codebooks_two_chunks_async", tmp_path,
+                                                emulator, env)
+    assert_close(got_dx, want_dx, torch.float32, "dx")
+    assert_close(got_dc, want_dc, torch.float32, "dcodebook")
+
+
+# ---- broken copies of the header must fail ----
+
+MUTANTS = {
+    # the last collision rank of a round never adds
+    "last_rank": ("for (unsigned k = 0; k <= top; ++k)", "for (unsigned k = 0; k < top; ++k)"),
+    # every other round of rows skipped
+    "skipped_rows": ("r0 < kHistChunk && j0 + r0 < N; r0 += 32)",
+                     "r0 < kHistChunk && j0 + r0 < N; r0 += 64)"),
+    # a chunk read while its copies may still be in flight
+    "early_read": ("async_wait<1>();", "async_wait<2>();"),
+}
+
+
+def build_mutant(tmp_path, name):
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    old, new = MUTANTS[name]
+    text = open(HEADER).read()
+    assert text.count(old) == 1, name
+    (tmp_path / "codebook_histogram.cuh").write_text(text.replace(old, new))
+    exe = tmp_path / "mutant"
+    # the broken header's directory first: it is found before csrc/cuda's; -O0 builds faster
+    cmd = [CXX, "-std=c++20", "-O0", "-pthread", f"-I{tmp_path}", f"-I{ROOT}/csrc/include",
+           f"-I{ROOT}/csrc/cuda",
+           os.path.join(ROOT, "tests", "cuda_emu", "codebook_histogram_emu_main.cpp"), "-o",
+           str(exe)]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_broken_histogram_fails(mutant, tmp_path):
+    exe = build_mutant(tmp_path, mutant)
+    got_dx, want_dx, got_dc, want_dc = run_case("half_two_codebooks_two_chunks_async", tmp_path,
+                                                exe)
+    assert not torch.allclose(got_dx, want_dx, rtol=1e-4, atol=1e-4 * want_dx.abs().max().item())
+    assert not torch.allclose(got_dc, want_dc, rtol=1e-4, atol=1e-4 * want_dc.abs().max().item())
