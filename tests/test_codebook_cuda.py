@@ -259,6 +259,26 @@ def test_deterministic_across_calls(rows, dtype):
             assert torch.equal(g, h)
 
 
+@pytest.mark.parametrize("rows", [5, 16])
+def test_backward_non_finite_grad_out_propagates(rows):
+    # An inf in batch row 1 and a NaN in row 3 of grad_out: the small-batch backward adds those
+    # rows as plain sums (the others in fixed point) and must give the float64 reference's
+    # infinities and NaNs in the same places, and its finite values elsewhere.
+    x, idx, cb, s, _ = make_inputs(rows, 70, 16, d=8, e=64)
+    grad_out = torch.randn(rows, 70)
+    grad_out[1, 7] = float("inf")
+    grad_out[3, 50] = float("nan")
+    got = torch.ops.rlx.codebook_matmul_backward(*cuda(grad_out, x, idx, cb, s), [True] * 4)
+    up = [t.double().requires_grad_() for t in (x, cb, s)]
+    want = torch.autograd.grad(reference.codebook_matmul(up[0], idx, up[1], up[2], None), up,
+                               grad_out.double())
+    for g, w in zip(got[:3], want, strict=True):
+        assert torch.equal(g.cpu().isnan(), w.isnan()) and torch.equal(g.cpu().isinf(), w.isinf())
+        scale = w[w.isfinite()].abs().max().clamp_min(1)
+        torch.testing.assert_close(g.cpu().double() / scale, w / scale, atol=1e-5, rtol=1e-4,
+                                   equal_nan=True)
+
+
 @pytest.mark.parametrize("rows", [1, 2])
 def test_half_inputs_accumulate_in_float32(rows):
     # 4096 products: float16 accumulation would be off by far more than one output rounding.

@@ -3,9 +3,11 @@
 runs on the CPU: its device code is compiled with g++ against tests/cuda_emu/cuda_shim.h and
 its outputs are compared with float64 references written here from the math. The cases cover
 ragged rounds and chunks (N not a multiple of 32 or of the 512-row chunk), blocks with fewer
-steps than warps and fewer batch rows than their share, several step and batch chunks, steps
+steps than warps and fewer batch rows than their share, 1, 2 and 4 batch rows a block, several
+step and batch chunks, steps
 that mix codebooks (M = 2, 3), colliding codes up to a whole warp of one code, every dtype,
-cp.async staging and element loads, and warps run one at a time between barriers.
+cp.async staging and element loads, an inf and a NaN gradient, and warps run one at a time
+between barriers.
 tests/test_codebook_cuda.py runs the kernel for real on a GPU. Broken copies of the header (a
 collision rank never added, rows skipped, a chunk read before its copies land) must fail."""
 
@@ -19,19 +21,26 @@ from tests.cuda_emu import CXX, ROOT, build_emulator
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 HEADER = os.path.join(ROOT, "csrc", "cuda", "codebook_histogram.cuh")
-STEPS, BATCH = 16, 4  # kHistSteps, kHistBatch
+STEPS = 16  # kHistSteps
 
-# (dtype of x, B, N, G, M, E, D, code pattern, cp.async where the shapes allow)
+# (dtype of x, B, N, G, M, E, D, code pattern, cp.async where the shapes allow, batch rows
+# per block)
 CASES = {
-    "float_full_batch_ragged_rows": (torch.float32, 16, 70, 9, 1, 256, 8, "random", True),
-    "half_two_codebooks_two_chunks_async": (torch.float16, 6, 1040, 8, 2, 37, 8, "random", True),
+    "float_full_batch_ragged_rows": (torch.float32, 16, 70, 9, 1, 256, 8, "random", True, 4),
+    "half_two_codebooks_two_chunks_async": (torch.float16, 6, 1040, 8, 2, 37, 8, "random", True,
+                                            4),
     "half_two_codebooks_two_chunks_elements": (torch.float16, 6, 1040, 8, 2, 37, 8, "random",
-                                               False),
-    "float_two_step_chunks_async": (torch.float32, 16, 1024, 32, 1, 256, 8, "random", True),
-    "bf16_three_codebooks_d4": (torch.bfloat16, 1, 33, 5, 3, 256, 4, "random", True),
-    "float_collisions_e2_d3": (torch.float32, 5, 64, 4, 1, 2, 3, "random", True),
-    "double_one_code_per_step": (torch.float64, 7, 96, 3, 2, 19, 5, "constant", True),
-    "half_single_row_short": (torch.float16, 2, 1, 7, 1, 256, 8, "random", True),
+                                               False, 4),
+    "float_two_step_chunks_async": (torch.float32, 16, 1024, 32, 1, 256, 8, "random", True, 4),
+    "bf16_three_codebooks_d4": (torch.bfloat16, 1, 33, 5, 3, 256, 4, "random", True, 4),
+    "float_collisions_e2_d3": (torch.float32, 5, 64, 4, 1, 2, 3, "random", True, 4),
+    "double_one_code_per_step": (torch.float64, 7, 96, 3, 2, 19, 5, "constant", True, 4),
+    "half_single_row_short": (torch.float16, 2, 1, 7, 1, 256, 8, "random", True, 4),
+    # fewer batch rows per block (devices with less shared memory)
+    "double_two_rows_a_block_async": (torch.float64, 5, 600, 16, 1, 256, 8, "random", True, 2),
+    "float_one_row_a_block": (torch.float32, 3, 90, 6, 2, 50, 8, "random", True, 1),
+    # gradients with an inf (batch row 1) and a NaN (row 3)
+    "float_nonfinite_gradients": (torch.float32, 5, 100, 16, 1, 64, 8, "nonfinite", True, 4),
 }
 
 
@@ -50,7 +59,7 @@ def _dump(t, path):
 def run_case(name, tmp_path, exe, env=None):
     """The kernel's dx [B, K] and dC [M, E, D] (parts added in float64) and their float64
     references."""
-    dtype, B, N, G, M, E, D, pattern, vec = CASES[name]
+    dtype, B, N, G, M, E, D, pattern, vec, bpb = CASES[name]
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     gen = torch.Generator().manual_seed(len(name))
     if pattern == "constant":  # every row of a step has the same code: 32 ranks a round
@@ -60,16 +69,19 @@ def run_case(name, tmp_path, exe, env=None):
         codes.view(-1)[::5] = E - 1
     x = torch.randn(B, G * D, generator=gen, dtype=torch.float64).to(dtype)
     gs = torch.randn(B, N, generator=gen, dtype=torch.float64).to(acc)
+    if pattern == "nonfinite":
+        gs[1, 7] = float("inf")
+        gs[3, 50] = float("nan")
     cb = torch.randn(M, E, D, generator=gen, dtype=torch.float64).to(acc)
     _dump(codes.to(torch.uint8), tmp_path / "codes.bin")
     _dump(x, tmp_path / "x.bin")
     _dump(gs, tmp_path / "gs.bin")
     _dump(cb, tmp_path / "cb.bin")
     proc = subprocess.run([str(a) for a in [exe, tmp_path, KIND[dtype], B, N, G, M, E, D,
-                                            int(vec)]],
+                                            int(vec), bpb]],
                           capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
-    blocks = -(-(G * M) // STEPS) * -(-B // BATCH)
+    blocks = -(-(G * M) // STEPS) * -(-B // bpb)
     dx_parts = torch.from_file(str(tmp_path / "dx.bin"), size=M * B * G * D, dtype=acc)
     dc_parts = torch.from_file(str(tmp_path / "dc.bin"), size=blocks * M * E * D, dtype=acc)
     got_dx = dx_parts.view(M, B, G * D).double().sum(0)
@@ -88,8 +100,8 @@ def run_case(name, tmp_path, exe, env=None):
 
 def assert_close(got, want, acc, what):
     tol = 1e-12 if acc == torch.float64 else 2e-6
-    scale = want.abs().max().item()
-    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, msg=what)
+    scale = want[want.isfinite()].abs().max().item()
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol * scale, equal_nan=True, msg=what)
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -134,10 +134,17 @@ std::pair<at::Tensor, at::Tensor> histogram_backward(const Dims& d, const at::Te
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
   const int64_t steps = d.groups * M;
   const int64_t step_chunks = ceil_div(steps, kHistSteps);
-  const int64_t blocks = step_chunks * ceil_div(d.rows, kHistBatch);
+  // As many batch rows per block as the device's shared memory holds (4 on Hopper; float64
+  // takes 2 on the A100 and where a block has 99 KiB).
+  const size_t smem_limit = max_block_smem();
+  int bpb = kHistBatch;
+  while (bpb > 1 && histogram_backward_smem(bpb, E, sizeof(acc)) > smem_limit) bpb /= 2;
+  const size_t smem = histogram_backward_smem(bpb, E, sizeof(acc));
+  TORCH_CHECK(smem <= smem_limit, "codebook_matmul_backward: the histogram backward needs ",
+              smem, " bytes of shared memory per block, the device has ", smem_limit);
+  const int64_t blocks = step_chunks * ceil_div(d.rows, bpb);
   at::Tensor dx_parts = at::empty({M, d.rows, d.in_features}, gs.options());
   at::Tensor dc_parts = at::empty({blocks, M * E * D}, gs.options());
-  const size_t smem = histogram_backward_smem(E, sizeof(acc));
   auto kernel = histogram_backward_kernel<e>;
   set_smem(reinterpret_cast<const void*>(kernel), smem);
   const bool vec_codes = steps % 16 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
@@ -147,7 +154,7 @@ std::pair<at::Tensor, at::Tensor> histogram_backward(const Dims& d, const at::Te
       idx.data_ptr<uint8_t>(), gs.data_ptr<acc>(),
       reinterpret_cast<const storage_t<e>*>(x2d.data_ptr()), cb_acc.data_ptr<acc>(),
       dx_parts.data_ptr<acc>(), dc_parts.data_ptr<acc>(), static_cast<int>(d.rows),
-      d.out_features, d.groups, static_cast<int>(M), static_cast<int>(E), static_cast<int>(D),
+      d.out_features, d.groups, static_cast<int>(M), static_cast<int>(E), static_cast<int>(D), bpb,
       static_cast<int>(step_chunks), vec_codes, vec_gs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {M == 1 ? dx_parts[0] : dx_parts.sum(0), blocks == 1 ? dc_parts[0] : dc_parts.sum(0)};

@@ -37,6 +37,15 @@ constexpr unsigned kFullMask = 0xffffffffu;
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Shared memory one block may take on the current device (the opt-in maximum: 227 KiB on
+// Hopper, 163 KiB on the A100).
+inline size_t max_block_smem() {
+  int device = 0, bytes = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return static_cast<size_t>(bytes);
+}
+
 // The kernels' element type of an ATen scalar type (codebook_elem.cuh).
 template <typename scalar_t>
 struct ElemOf;

@@ -13,15 +13,6 @@
 namespace rlx::codebook::cuda {
 namespace {
 
-// Shared memory one block may take on the current device (the opt-in maximum: 227 KiB on
-// Hopper, 163 KiB on the A100).
-size_t max_block_smem() {
-  int device = 0, bytes = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  return static_cast<size_t>(bytes);
-}
-
 // Launch shape of the tensor-core forward: 16 RT output rows and `warps` warps per block.
 // Chosen from H200 timings at N = K = 4096 and 8192 (docs/benchmarks.md): more row tiles per
 // block re-read x fewer times and give each warp independent products to overlap; past

@@ -8,10 +8,11 @@
 // per (output row, step, batch row): no products per code and no dense dW. The products left
 // are per step and entry (E * D * B of each kind), a small share of the work.
 //
-// Block k takes kHistSteps consecutive steps (one warp each) and kHistBatch batch rows. The
-// rows go by in chunks of kHistChunk: the chunk's code bytes of the block's steps (16 bytes a
-// row) and its gradients are staged in shared memory, the next chunk's copies (cp.async) in
-// flight while a chunk is added. Warp w adds its step's histogram in rounds of 32 rows, one
+// Block k takes kHistSteps consecutive steps (one warp each) and `bpb` (at most kHistBatch)
+// batch rows, as many as the device's shared memory allows. The rows go by in chunks of
+// kHistChunk: the chunk's code bytes of the block's steps (16 bytes a row) and its gradients
+// are staged in shared memory, the next chunk's copies (cp.async) in flight while a chunk is
+// added. Warp w adds its step's histogram in rounds of 32 rows, one
 // row a lane; lanes whose codes collide are found with __match_any_sync and add one rank at a
 // time, in lane order, so every H_s[b][c] is the sum of its rows in row order. After the last
 // chunk the block's threads compute from its histograms
@@ -34,21 +35,22 @@ namespace rlx::codebook::cuda {
 
 constexpr int kHistMaxRows = 16;  // batch rows of the histogram backward
 constexpr int kHistSteps = 16;    // steps per block, one warp each
-constexpr int kHistBatch = 4;     // batch rows per block
+constexpr int kHistBatch = 4;     // batch rows per block, at most
 constexpr int kHistChunk = 512;   // output rows per staged chunk
 constexpr int kHistThreads = kHistSteps * 32;
 
-// Shared memory of histogram_backward_kernel: the histograms [kHistSteps][kHistBatch][E + 1]
-// (a padded row, so that the dx pass's threads of different b read different banks), then two
-// chunk buffers, each codes [kHistChunk][16] bytes and gradients [kHistBatch][kHistChunk].
-// 66 KiB + 32 KiB in float32 at E = 256 (130 KiB + 48 KiB in float64).
-inline size_t histogram_backward_smem(int64_t E, size_t acc_bytes) {
-  return static_cast<size_t>(kHistSteps * kHistBatch * (E + 1)) * acc_bytes +
+// Shared memory of histogram_backward_kernel with `bpb` batch rows per block: the histograms
+// [kHistSteps][bpb][E + 1] (a padded row, so that the dx pass's threads of different b read
+// different banks), then two chunk buffers, each codes [kHistChunk][16] bytes and gradients
+// [bpb][kHistChunk]. With 4 rows and E = 256: 66 KiB + 32 KiB in float32, 130 KiB + 48 KiB in
+// float64; with 1 row, 16 KiB + 20 KiB and 33 KiB + 24 KiB.
+inline size_t histogram_backward_smem(int bpb, int64_t E, size_t acc_bytes) {
+  return static_cast<size_t>(kHistSteps * bpb * (E + 1)) * acc_bytes +
          2 * (static_cast<size_t>(kHistChunk) * 16 +
-              static_cast<size_t>(kHistBatch * kHistChunk) * acc_bytes);
+              static_cast<size_t>(bpb * kHistChunk) * acc_bytes);
 }
 
-// Blocks: ceil(S / kHistSteps) step chunks times ceil(B / kHistBatch) batch chunks, step chunk
+// Blocks: ceil(S / kHistSteps) step chunks times ceil(B / bpb) batch chunks, step chunk
 // fastest. `vec_codes`: every row's G*M code bytes are whole 16-byte vectors at 16-byte
 // addresses; `vec_gs`: N is a multiple of 16 bytes' worth of gs (cp.async copies, else element
 // loads).
@@ -60,27 +62,28 @@ __global__ void __launch_bounds__(kHistThreads)
                               const storage_t<e>* __restrict__ x,
                               const acc_t<e>* __restrict__ cb, acc_t<e>* __restrict__ dx_parts,
                               acc_t<e>* __restrict__ dc_parts, int B, int64_t N, int64_t G,
-                              int M, int E, int D, int step_chunks, bool vec_codes,
+                              int M, int E, int D, int bpb, int step_chunks, bool vec_codes,
                               bool vec_gs) {
   using acc = acc_t<e>;
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kGsVec = static_cast<int>(16 / sizeof(acc));  // gradients per 16 bytes
   RLX_MMA_SMEM(smem_raw);
   const int HS = E + 1;  // histogram row stride
-  acc* hist = reinterpret_cast<acc*>(smem_raw);  // [kHistSteps][kHistBatch][HS]
-  unsigned char* bufs = smem_raw + static_cast<size_t>(kHistSteps * kHistBatch * HS) * sizeof(acc);
-  auto codes_buf = [&](int i) { return bufs + i * (kHistChunk * 16 + kHistBatch * kHistChunk * sizeof(acc)); };
+  acc* hist = reinterpret_cast<acc*>(smem_raw);  // [kHistSteps][bpb][HS]
+  unsigned char* bufs = smem_raw + static_cast<size_t>(kHistSteps * bpb * HS) * sizeof(acc);
+  const size_t buf_bytes = kHistChunk * 16 + bpb * kHistChunk * sizeof(acc);
+  auto codes_buf = [&](int i) { return bufs + i * buf_bytes; };
   auto gs_buf = [&](int i) { return reinterpret_cast<acc*>(codes_buf(i) + kHistChunk * 16); };
 
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t S = G * M, K = G * D;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x % step_chunks) * kHistSteps;
-  const int b0 = static_cast<int>(blockIdx.x / step_chunks) * kHistBatch;
+  const int b0 = static_cast<int>(blockIdx.x / step_chunks) * bpb;
   const int steps = S - s0 < kHistSteps ? static_cast<int>(S - s0) : kHistSteps;
-  const int nb = B - b0 < kHistBatch ? B - b0 : kHistBatch;
+  const int nb = B - b0 < bpb ? B - b0 : bpb;
   const int64_t chunks = (N + kHistChunk - 1) / kHistChunk;
 
-  for (int i = threadIdx.x; i < kHistSteps * kHistBatch * HS; i += kHistThreads) hist[i] = acc(0);
+  for (int i = threadIdx.x; i < kHistSteps * bpb * HS; i += kHistThreads) hist[i] = acc(0);
 
   // Chunk c into buffer c % 2: row r's 16 code bytes at 16 r (bytes of steps past S and rows
   // past N are 0), the gradients of batch row b at b * kHistChunk + r (0 past B and N).
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(kHistThreads)
     if (warp < steps) {  // the same branch for the whole warp
       const unsigned char* cs = codes_buf(static_cast<int>(c % 2));
       const acc* gsb = gs_buf(static_cast<int>(c % 2));
-      acc* h = hist + warp * kHistBatch * HS;
+      acc* h = hist + warp * bpb * HS;
       const int64_t j0 = c * kHistChunk;
       for (int r0 = 0; r0 < kHistChunk && j0 + r0 < N; r0 += 32) {
         const int r = r0 + lane;
@@ -133,9 +136,10 @@ __global__ void __launch_bounds__(kHistThreads)
         const int code = cs[16 * r + warp];
         acc v[kHistBatch];
 #pragma unroll
-        for (int b = 0; b < kHistBatch; ++b) v[b] = gsb[b * kHistChunk + r];
+        for (int b = 0; b < kHistBatch; ++b) v[b] = b < nb ? gsb[b * kHistChunk + r] : acc(0);
         // Rows past N get keys no code has, so they match no other lane.
-        const unsigned key = valid ? static_cast<unsigned>(code) : 256u + static_cast<unsigned>(lane);
+        const unsigned key =
+            valid ? static_cast<unsigned>(code) : 256u + static_cast<unsigned>(lane);
         const unsigned peers = __match_any_sync(kAll, key);
         const unsigned rank = static_cast<unsigned>(__popc(peers & ((1u << lane) - 1u)));
         const unsigned top = __reduce_max_sync(kAll, rank);
@@ -158,7 +162,7 @@ __global__ void __launch_bounds__(kHistThreads)
     const int w = i / (nb * D), b = (i / D) % nb, t = i % D;
     const int64_t s = s0 + w, g = s / M;
     const int m = static_cast<int>(s % M);
-    const acc* hb = hist + (w * kHistBatch + b) * HS;
+    const acc* hb = hist + (w * bpb + b) * HS;
     const acc* col = cb + static_cast<int64_t>(m) * E * D + t;
     acc sum = acc(0);
     for (int c = 0; c < E; ++c) sum += hb[c] * RLX_LDG(col + c * D);
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kHistThreads)
     acc sum = acc(0);
     for (int w = 0; w < steps; ++w) {
       if ((s0 + w) % M != m) continue;
-      const acc* hc = hist + w * kHistBatch * HS + c;
+      const acc* hc = hist + w * bpb * HS + c;
       const storage_t<e>* xw = x + b0 * K + (s0 + w) / M * D + t;
       for (int b = 0; b < nb; ++b) sum += hc[b * HS] * elem_to_acc<e>(RLX_LDG(xw + b * K));
     }
