@@ -12,10 +12,10 @@ import subprocess
 import pytest
 import torch
 
-from tests.cuda_emu import CXX, ROOT, build_emulator
+from tests.cuda_emu import build_emulator
+from tests.cuda_emu import build_mutant as _build_mutant
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
-HEADER = os.path.join(ROOT, "csrc", "cuda", "codebook_codes16.cuh")
 
 
 @pytest.fixture(scope="module")
@@ -236,21 +236,8 @@ MUTANTS = {
 
 
 def build_mutant(tmp_path, name):
-    if CXX is None:
-        pytest.skip("no C++ compiler")
     old, new = MUTANTS[name]
-    text = open(HEADER).read()
-    assert text.count(old) == 1, name
-    (tmp_path / "codebook_codes16.cuh").write_text(text.replace(old, new))
-    exe = tmp_path / "mutant"
-    # the broken header's directory first: it is found before csrc/cuda's; -O0 builds faster
-    cmd = [CXX, "-std=c++20", "-O0", "-pthread", f"-I{tmp_path}", f"-I{ROOT}/csrc/include",
-           f"-I{ROOT}/csrc/cuda",
-           os.path.join(ROOT, "tests", "cuda_emu", "codebook_codes16_emu_main.cpp"), "-o",
-           str(exe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return exe
+    return _build_mutant(tmp_path, "codebook_codes16_emu_main", "codebook_codes16.cuh", old, new)
 
 
 def test_broken_butterfly_fails(tmp_path):

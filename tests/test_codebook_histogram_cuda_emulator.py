@@ -17,10 +17,10 @@ import subprocess
 import pytest
 import torch
 
-from tests.cuda_emu import CXX, ROOT, build_emulator
+from tests.cuda_emu import build_emulator
+from tests.cuda_emu import build_mutant as _build_mutant
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
-HEADER = os.path.join(ROOT, "csrc", "cuda", "codebook_histogram.cuh")
 STEPS = 16  # kHistSteps
 
 # (dtype of x, B, N, G, M, E, D, code pattern, cp.async where the shapes allow, batch rows
@@ -136,21 +136,9 @@ MUTANTS = {
 
 
 def build_mutant(tmp_path, name):
-    if CXX is None:
-        pytest.skip("no C++ compiler")
     old, new = MUTANTS[name]
-    text = open(HEADER).read()
-    assert text.count(old) == 1, name
-    (tmp_path / "codebook_histogram.cuh").write_text(text.replace(old, new))
-    exe = tmp_path / "mutant"
-    # the broken header's directory first: it is found before csrc/cuda's; -O0 builds faster
-    cmd = [CXX, "-std=c++20", "-O0", "-pthread", f"-I{tmp_path}", f"-I{ROOT}/csrc/include",
-           f"-I{ROOT}/csrc/cuda",
-           os.path.join(ROOT, "tests", "cuda_emu", "codebook_histogram_emu_main.cpp"), "-o",
-           str(exe)]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return exe
+    return _build_mutant(tmp_path, "codebook_histogram_emu_main", "codebook_histogram.cuh", old,
+                         new)
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)

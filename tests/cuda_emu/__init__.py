@@ -23,3 +23,23 @@ def build_emulator(out_dir, main: str) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
+
+
+def build_mutant(out_dir, main: str, header: str, old: str, new: str) -> str:
+    """Compiles tests/cuda_emu/<main>.cpp against a broken copy of csrc/cuda/<header>, with the
+    one occurrence of `old` replaced by `new`; returns the executable's path. The copy's
+    directory comes first on the include path, so it is found before csrc/cuda's. Skips the
+    calling test when there is no C++ compiler."""
+    if CXX is None:
+        pytest.skip("no C++ compiler")
+    text = open(os.path.join(ROOT, "csrc", "cuda", header)).read()
+    assert text.count(old) == 1, f"{header}: {old!r} must occur once"
+    with open(os.path.join(str(out_dir), header), "w") as f:
+        f.write(text.replace(old, new))
+    exe = os.path.join(str(out_dir), "mutant")
+    cmd = [CXX, "-std=c++20", "-O0", "-pthread", f"-I{out_dir}", f"-I{ROOT}/csrc/include",
+           f"-I{ROOT}/csrc/cuda", os.path.join(ROOT, "tests", "cuda_emu", f"{main}.cpp"), "-o",
+           exe]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return exe
