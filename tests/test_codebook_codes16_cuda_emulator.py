@@ -14,6 +14,7 @@ import torch
 
 from tests.cuda_emu import build_emulator
 from tests.cuda_emu import build_mutant as _build_mutant
+from tests.cuda_emu import dump as _dump
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -21,13 +22,6 @@ KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return build_emulator(tmp_path_factory.mktemp("cuda_emu_codes16"), "codebook_codes16_emu_main")
-
-
-def _dump(t, path):
-    t = t.contiguous()
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t = t.view(torch.int16)
-    t.numpy().tofile(str(path))
 
 
 def _read(path, n, dtype):

@@ -19,6 +19,7 @@ import torch
 
 from tests.cuda_emu import build_emulator
 from tests.cuda_emu import build_mutant as _build_mutant
+from tests.cuda_emu import dump as _dump
 
 KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2, torch.float64: 3}
 STEPS = 16  # kHistSteps
@@ -47,13 +48,6 @@ CASES = {
 @pytest.fixture(scope="module")
 def emulator(tmp_path_factory):
     return build_emulator(tmp_path_factory.mktemp("cuda_emu_hist"), "codebook_histogram_emu_main")
-
-
-def _dump(t, path):
-    t = t.contiguous()
-    if t.dtype in (torch.float16, torch.bfloat16):
-        t = t.view(torch.int16)
-    t.numpy().tofile(str(path))
 
 
 def run_case(name, tmp_path, exe, env=None):

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CXX = shutil.which(os.environ.get("CXX", "g++")) or shutil.which("g++")
@@ -23,6 +24,15 @@ def build_emulator(out_dir, main: str) -> str:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return exe
+
+
+def dump(t, path):
+    """Writes tensor t to path as raw bytes in its own dtype (float16 / bfloat16 as their
+    16-bit patterns), as the emulation mains read it."""
+    t = t.contiguous()
+    if t.dtype in (torch.float16, torch.bfloat16):
+        t = t.view(torch.int16)
+    t.numpy().tofile(str(path))
 
 
 def build_mutant(out_dir, main: str, header: str, old: str, new: str) -> str:
