@@ -14,6 +14,7 @@
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <array>
 #include <tuple>
 #include <utility>
@@ -134,19 +135,30 @@ std::pair<at::Tensor, at::Tensor> histogram_backward(const Dims& d, const at::Te
   const int64_t M = d.num_codebooks, E = d.num_entries, D = d.entry_dim;
   const int64_t steps = d.groups * M;
   const int64_t step_chunks = ceil_div(steps, kHistSteps);
-  // As many batch rows per block as the device's shared memory holds (4 on Hopper; float64
-  // takes 2 on the A100 and where a block has 99 KiB).
+  // As many batch rows per block as there are, at most kHistBatch, and as the device's shared
+  // memory holds (4 on Hopper; float64 takes 2 on the A100 and where a block has 99 KiB).
   const size_t smem_limit = max_block_smem();
-  int bpb = kHistBatch;
-  while (bpb > 1 && histogram_backward_smem(bpb, E, sizeof(acc)) > smem_limit) bpb /= 2;
+  int bpb = static_cast<int>(std::min<int64_t>(kHistBatch, d.rows));
+  while (bpb > 1 && histogram_backward_smem(bpb, E, sizeof(acc)) > smem_limit) --bpb;
   const size_t smem = histogram_backward_smem(bpb, E, sizeof(acc));
   TORCH_CHECK(smem <= smem_limit, "codebook_matmul_backward: the histogram backward needs ",
               smem, " bytes of shared memory per block, the device has ", smem_limit);
-  const int64_t blocks = step_chunks * ceil_div(d.rows, bpb);
-  at::Tensor dx_parts = at::empty({M, d.rows, d.in_features}, gs.options());
-  at::Tensor dc_parts = at::empty({blocks, M * E * D}, gs.options());
   auto kernel = histogram_backward_kernel<e>;
   set_smem(reinterpret_cast<const void*>(kernel), smem);
+  // Row splits where the steps and batch rows give fewer blocks than the device runs at once
+  // (one row at N = K = 4096: 32 blocks): as many splits as fill it, at least one chunk each.
+  // Each split adds its own dx and dC passes, so none where one wave is already full.
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kHistThreads,
+                                                               smem));
+  const int64_t chunks = ceil_div(d.out_features, kHistChunk);
+  const int64_t base_blocks = step_chunks * ceil_div(d.rows, bpb);
+  const int64_t want_splits = int64_t{device_sms()} * std::max(per_sm, 1) / base_blocks;
+  const int64_t split_chunks = ceil_div(chunks, std::clamp<int64_t>(want_splits, 1, chunks));
+  const int64_t splits = ceil_div(chunks, split_chunks);  // none empty
+  const int64_t blocks = base_blocks * splits;
+  at::Tensor dx_parts = at::empty({splits * M, d.rows, d.in_features}, gs.options());
+  at::Tensor dc_parts = at::empty({blocks, M * E * D}, gs.options());
   const bool vec_codes = steps % 16 == 0 && reinterpret_cast<uintptr_t>(idx.data_ptr()) % 16 == 0;
   const bool vec_gs = (d.out_features * static_cast<int64_t>(sizeof(acc))) % 16 == 0 &&
                       reinterpret_cast<uintptr_t>(gs.data_ptr()) % 16 == 0;
@@ -155,9 +167,10 @@ std::pair<at::Tensor, at::Tensor> histogram_backward(const Dims& d, const at::Te
       reinterpret_cast<const storage_t<e>*>(x2d.data_ptr()), cb_acc.data_ptr<acc>(),
       dx_parts.data_ptr<acc>(), dc_parts.data_ptr<acc>(), static_cast<int>(d.rows),
       d.out_features, d.groups, static_cast<int>(M), static_cast<int>(E), static_cast<int>(D), bpb,
-      static_cast<int>(step_chunks), vec_codes, vec_gs);
+      static_cast<int>(step_chunks), static_cast<int>(split_chunks), vec_codes, vec_gs);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return {M == 1 ? dx_parts[0] : dx_parts.sum(0), blocks == 1 ? dc_parts[0] : dc_parts.sum(0)};
+  return {splits * M == 1 ? dx_parts[0] : dx_parts.sum(0),
+          blocks == 1 ? dc_parts[0] : dc_parts.sum(0)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward_cuda(

@@ -46,6 +46,14 @@ inline size_t max_block_smem() {
   return static_cast<size_t>(bytes);
 }
 
+// Multiprocessors of the current device.
+inline int device_sms() {
+  int device = 0, sms = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return sms;
+}
+
 // The kernels' element type of an ATen scalar type (codebook_elem.cuh).
 template <typename scalar_t>
 struct ElemOf;

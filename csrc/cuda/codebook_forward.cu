@@ -89,13 +89,6 @@ void launch_mma_forward(const Dims& d, at::Tensor x2d, const at::Tensor& idx,
   }
 }
 
-int device_sms() {
-  int device = 0, sms = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  return sms;
-}
-
 // The one-row path (codebook_gemv.cuh): 16-bit x, D = 8, one or two codebooks, one row, the
 // codebook copies and partial sums within the device's shared memory. On an H100 it measured
 // faster than the tensor-core forward and the lookup-table forward at N = K = 4096 and 8192,

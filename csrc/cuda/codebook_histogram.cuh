@@ -8,18 +8,22 @@
 // per (output row, step, batch row): no products per code and no dense dW. The products left
 // are per step and entry (E * D * B of each kind), a small share of the work.
 //
-// Block k takes kHistSteps consecutive steps (one warp each) and `bpb` (at most kHistBatch)
-// batch rows, as many as the device's shared memory allows. The rows go by in chunks of
-// kHistChunk: the chunk's code bytes of the block's steps (16 bytes a row) and its gradients
-// are staged in shared memory, the next chunk's copies (cp.async) in flight while a chunk is
-// added. Warp w adds its step's histogram in rounds of 32 rows, one
-// row a lane; lanes whose codes collide are found with __match_any_sync and add one rank at a
-// time, in lane order, so every H_s[b][c] is the sum of its rows in row order. After the last
-// chunk the block's threads compute from its histograms
-//   dx_parts[m][b][g*D + t]  for each of its steps and batch rows (a sum over c in order), and
-//   dc_parts[k][m][c][t]     the sum over its steps of codebook m (in step order) and its
-//                            batch rows (in order);
-// the host adds dx_parts over m and dc_parts over k with at::sum. No atomics: results are
+// Block k takes kHistSteps consecutive steps (one warp each), `bpb` (at most kHistBatch) batch
+// rows, as many as the device's shared memory allows, and one of R row splits: consecutive
+// runs of chunks of output rows, so that there are blocks enough for the device when the steps
+// and batch rows alone give few (dx and dC are linear in H, so each split's histograms give
+// their own parts of both). The rows go by in chunks of kHistChunk: the chunk's code bytes of
+// the block's steps (16 bytes a row) and its gradients are staged in shared memory, the next
+// chunk's copies (cp.async) in flight while a chunk is added. Warp w adds its step's histogram
+// in rounds of 32 rows, one row a lane; lanes whose codes collide are found with
+// __match_any_sync and add one rank at a time, in lane order, so every H_s[b][c] is the sum of
+// its rows in row order. After the split's last chunk the block's threads compute from its
+// histograms
+//   dx_parts[r][m][b][g*D + t]  for each of its steps and batch rows (a sum over c in order,
+//                               r the block's row split), and
+//   dc_parts[k][m][c][t]        the sum over its steps of codebook m (in step order) and its
+//                               batch rows (in order);
+// the host adds dx_parts over r and m and dc_parts over k with at::sum. No atomics: results are
 // bitwise reproducible.
 //
 // Compiled on the CPU by tests/cuda_emu (RLX_CUDA_EMULATION) as codebook_mma.cuh is (1-D grid).
@@ -50,20 +54,21 @@ inline size_t histogram_backward_smem(int bpb, int64_t E, size_t acc_bytes) {
               static_cast<size_t>(bpb * kHistChunk) * acc_bytes);
 }
 
-// Blocks: ceil(S / kHistSteps) step chunks times ceil(B / bpb) batch chunks, step chunk
-// fastest. `vec_codes`: every row's G*M code bytes are whole 16-byte vectors at 16-byte
+// Blocks: ceil(S / kHistSteps) step chunks times ceil(B / bpb) batch chunks times R row
+// splits of `split_chunks` chunks each (the last may have fewer, none is empty), step chunk
+// fastest, then batch chunk. `vec_codes`: every row's G*M code bytes are whole 16-byte vectors at 16-byte
 // addresses; `vec_gs`: N is a multiple of 16 bytes' worth of gs (cp.async copies, else element
 // loads).
 // idx [N][G][M] uint8; gs [B][N] and cb [M][E][D] in the accumulation type; x [B][K] in its
-// own. dx_parts [M][B][K], dc_parts [blocks][M][E][D] (accumulation type).
+// own. dx_parts [R][M][B][K], dc_parts [blocks][M][E][D] (accumulation type).
 template <Elem e>
 __global__ void __launch_bounds__(kHistThreads)
     histogram_backward_kernel(const uint8_t* __restrict__ idx, const acc_t<e>* __restrict__ gs,
                               const storage_t<e>* __restrict__ x,
                               const acc_t<e>* __restrict__ cb, acc_t<e>* __restrict__ dx_parts,
                               acc_t<e>* __restrict__ dc_parts, int B, int64_t N, int64_t G,
-                              int M, int E, int D, int bpb, int step_chunks, bool vec_codes,
-                              bool vec_gs) {
+                              int M, int E, int D, int bpb, int step_chunks, int split_chunks,
+                              bool vec_codes, bool vec_gs) {
   using acc = acc_t<e>;
   constexpr unsigned kAll = 0xffffffffu;
   constexpr int kGsVec = static_cast<int>(16 / sizeof(acc));  // gradients per 16 bytes
@@ -78,10 +83,15 @@ __global__ void __launch_bounds__(kHistThreads)
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int64_t S = G * M, K = G * D;
   const int64_t s0 = static_cast<int64_t>(blockIdx.x % step_chunks) * kHistSteps;
-  const int b0 = static_cast<int>(blockIdx.x / step_chunks) * bpb;
+  const int batch_chunks = (B + bpb - 1) / bpb;
+  const int b0 = static_cast<int>(blockIdx.x / step_chunks % batch_chunks) * bpb;
+  const int split = static_cast<int>(blockIdx.x / step_chunks / batch_chunks);
   const int steps = S - s0 < kHistSteps ? static_cast<int>(S - s0) : kHistSteps;
   const int nb = B - b0 < bpb ? B - b0 : bpb;
+  // the split's chunks [c_begin, c_end)
   const int64_t chunks = (N + kHistChunk - 1) / kHistChunk;
+  const int64_t c_begin = static_cast<int64_t>(split) * split_chunks;
+  const int64_t c_end = chunks < c_begin + split_chunks ? chunks : c_begin + split_chunks;
 
   for (int i = threadIdx.x; i < kHistSteps * bpb * HS; i += kHistThreads) hist[i] = acc(0);
 
@@ -116,9 +126,9 @@ __global__ void __launch_bounds__(kHistThreads)
     async_commit();
   };
 
-  stage(0);
-  for (int64_t c = 0; c < chunks; ++c) {
-    if (c + 1 < chunks) {
+  stage(c_begin);
+  for (int64_t c = c_begin; c < c_end; ++c) {
+    if (c + 1 < c_end) {
       stage(c + 1);
       async_wait<1>();
     } else {
@@ -166,7 +176,7 @@ __global__ void __launch_bounds__(kHistThreads)
     const acc* col = cb + static_cast<int64_t>(m) * E * D + t;
     acc sum = acc(0);
     for (int c = 0; c < E; ++c) sum += hb[c] * RLX_LDG(col + c * D);
-    dx_parts[(static_cast<int64_t>(m) * B + b0 + b) * K + g * D + t] = sum;
+    dx_parts[((static_cast<int64_t>(split) * M + m) * B + b0 + b) * K + g * D + t] = sum;
   }
   // dC over the block's steps and batch rows: thread i takes (codebook m, entry c, coordinate t).
   for (int i = threadIdx.x; i < M * E * D; i += kHistThreads) {
