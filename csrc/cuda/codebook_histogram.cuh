@@ -56,9 +56,9 @@ inline size_t histogram_backward_smem(int bpb, int64_t E, size_t acc_bytes) {
 
 // Blocks: ceil(S / kHistSteps) step chunks times ceil(B / bpb) batch chunks times R row
 // splits of `split_chunks` chunks each (the last may have fewer, none is empty), step chunk
-// fastest, then batch chunk. `vec_codes`: every row's G*M code bytes are whole 16-byte vectors at 16-byte
-// addresses; `vec_gs`: N is a multiple of 16 bytes' worth of gs (cp.async copies, else element
-// loads).
+// fastest, then batch chunk. `vec_codes`: every row's G*M code bytes are whole 16-byte vectors
+// at 16-byte addresses; `vec_gs`: N is a multiple of 16 bytes' worth of gs (cp.async copies,
+// else element loads).
 // idx [N][G][M] uint8; gs [B][N] and cb [M][E][D] in the accumulation type; x [B][K] in its
 // own. dx_parts [R][M][B][K], dc_parts [blocks][M][E][D] (accumulation type).
 template <Elem e>

@@ -4,10 +4,10 @@
 //   codebook_histogram_emu DIR kind B N G M E D vec bpb split_chunks
 // kind 0: float32, 1: float16, 2: bfloat16, 3: float64. vec 1: the kernel's cp.async copies
 // where the shapes allow them (as on the GPU); 0: element loads only. bpb: batch rows per block
-// (1 to kHistBatch). split_chunks: chunks of output rows per row split. Reads DIR/codes.bin (uint8 [N][G][M]),
-// DIR/x.bin (x's type [B][G*D]), DIR/gs.bin and DIR/cb.bin (accumulation type: [B][N] and
-// [M][E][D]). Writes DIR/dx.bin ([splits][M][B][G*D]) and DIR/dc.bin ([blocks][M][E][D]), the kernel's
-// parts in the accumulation type.
+// (1 to kHistBatch). split_chunks: chunks of output rows per row split. Reads DIR/codes.bin
+// (uint8 [N][G][M]), DIR/x.bin (x's type [B][G*D]), DIR/gs.bin and DIR/cb.bin (accumulation
+// type: [B][N] and [M][E][D]). Writes DIR/dx.bin ([splits][M][B][G*D]) and DIR/dc.bin
+// ([blocks][M][E][D]), the kernel's parts in the accumulation type.
 #include "cuda_shim.h"
 
 #define RLX_CUDA_EMULATION 1
