@@ -12,9 +12,8 @@ Each peer cycles through enough copies of its inputs to overrun the L2 cache, so
 from device memory as in a real model. Times are CUDA-event medians of back-to-back calls
 ("eager", launch overhead included) and of CUDA-graph replays of the same calls ("graph", the
 GPU time). Ratios are baseline / rlx (> 1: rlx is faster); outputs are checked against the
-dense product first. At batch 1 the forward's bytes
-(codes, codebook, x, out) over its graph time are compared with a measured device copy.
-Prints a table and one JSON line.
+dense product first. At batch 1 the forward's bytes (codes, codebook, x, out) over its graph
+time are compared with a measured device copy. Prints a table and one JSON line.
 
     python benchmarks/bench_codebook_cuda.py [--features 4096 8192] [--rows 1 16 256 4096]
     python benchmarks/bench_codebook.py --device cuda      (the same)

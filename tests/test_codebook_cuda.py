@@ -261,9 +261,9 @@ def test_deterministic_across_calls(rows, dtype):
 
 @pytest.mark.parametrize("rows", [5, 16])
 def test_backward_non_finite_grad_out_propagates(rows):
-    # An inf in batch row 1 and a NaN in row 3 of grad_out: the small-batch backward adds those
-    # rows as plain sums (the others in fixed point) and must give the float64 reference's
-    # infinities and NaNs in the same places, and its finite values elsewhere.
+    # An inf in batch row 1 and a NaN in row 3 of grad_out: the histogram backward (5 and 16
+    # rows both take it) must give the float64 reference's infinities and NaNs in the same
+    # places, and its finite values elsewhere.
     x, idx, cb, s, _ = make_inputs(rows, 70, 16, d=8, e=64)
     grad_out = torch.randn(rows, 70)
     grad_out[1, 7] = float("inf")
