@@ -8,7 +8,7 @@ steps than warps and fewer batch rows than their share, 1 to 4 batch rows a bloc
 colliding codes up to a whole warp of one code, every dtype, cp.async staging and element
 loads, an inf and a NaN gradient, and warps run one at a time between barriers.
 tests/test_codebook_cuda.py runs the kernel for real on a GPU. Broken copies of the header (a
-collision rank never added, rows skipped, a chunk read before its copies land, a row split's
+colliding row never added, rows skipped, a chunk read before its copies land, a row split's
 dx written over another's) must fail."""
 
 import os
@@ -128,8 +128,8 @@ def test_emulated_histogram_backward_serial_warps(emulator, tmp_path):
 # ---- broken copies of the header must fail ----
 
 MUTANTS = {  # name: (text, broken text, case, the outputs it must break)
-    # the last collision rank of a round never adds
-    "last_rank": ("for (unsigned k = 0; k <= top; ++k)", "for (unsigned k = 0; k < top; ++k)",
+    # the last lane of a round's largest group of colliding codes never adds
+    "last_rank": ("for (unsigned k = 0; k < top; ++k)", "for (unsigned k = 0; k + 1 < top; ++k)",
                   "half_two_codebooks_two_chunks_async", ("dx", "dc")),
     # every other round of rows skipped
     "skipped_rows": ("r0 < kHistChunk && j0 + r0 < N; r0 += 32)",

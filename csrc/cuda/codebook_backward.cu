@@ -145,14 +145,18 @@ std::pair<at::Tensor, at::Tensor> histogram_backward(const Dims& d, const at::Te
               smem, " bytes of shared memory per block, the device has ", smem_limit);
   auto kernel = histogram_backward_kernel<e>;
   set_smem(reinterpret_cast<const void*>(kernel), smem);
-  // Row splits where the steps and batch rows give fewer blocks than the device has
-  // multiprocessors (one row at N = K = 4096: 32 blocks): as many splits as fill them, at least
-  // one chunk each. A multiprocessor holds one block (512 threads of more than 64 registers
-  // each on Hopper, by Nsight Compute), and each split adds its own dx and dC passes, so there
-  // are none where one wave of blocks is already full.
+  // Row splits where the steps and batch rows give fewer blocks than the device holds at once
+  // (one row at N = K = 4096: 32 blocks): as many splits as fill it, at least one chunk each.
+  // Each split adds its own dx and dC passes, so there are none where one wave of blocks is
+  // already full. The kernel is bound to 64 registers a thread so that a multiprocessor holds
+  // two blocks where the shared memory allows (Hopper: up to 4 batch rows a block in float32).
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &resident, reinterpret_cast<const void*>(kernel), kHistThreads, smem));
   const int64_t chunks = ceil_div(d.out_features, kHistChunk);
   const int64_t base_blocks = step_chunks * ceil_div(d.rows, bpb);
-  const int64_t want_splits = device_sms() / base_blocks;
+  const int64_t want_splits =
+      static_cast<int64_t>(device_sms()) * std::max(resident, 1) / base_blocks;
   const int64_t split_chunks = ceil_div(chunks, std::clamp<int64_t>(want_splits, 1, chunks));
   const int64_t splits = ceil_div(chunks, split_chunks);  // none empty
   const int64_t blocks = base_blocks * splits;

@@ -16,8 +16,9 @@
 // the block's steps (16 bytes a row) and its gradients are staged in shared memory, the next
 // chunk's copies (cp.async) in flight while a chunk is added. Warp w adds its step's histogram
 // in rounds of 32 rows, one row a lane; lanes whose codes collide are found with
-// __match_any_sync and add one rank at a time, in lane order, so every H_s[b][c] is the sum of
-// its rows in row order. After the split's last chunk the block's threads compute from its
+// __match_any_sync, and the lowest of them adds their gradients in lane order (shuffles) and
+// then that sum to the bin, so every H_s[b][c] is a sum of its rows in a fixed order, and a
+// round costs one shared-memory add per distinct code and batch row. After the split's last chunk the block's threads compute from its
 // histograms
 //   dx_parts[r][m][b][g*D + t]  for each of its steps and batch rows (a sum over c in order,
 //                               r the block's row split), and
@@ -62,7 +63,7 @@ inline size_t histogram_backward_smem(int bpb, int64_t E, size_t acc_bytes) {
 // idx [N][G][M] uint8; gs [B][N] and cb [M][E][D] in the accumulation type; x [B][K] in its
 // own. dx_parts [R][M][B][K], dc_parts [blocks][M][E][D] (accumulation type).
 template <Elem e>
-__global__ void __launch_bounds__(kHistThreads)
+__global__ void __launch_bounds__(kHistThreads, 2)
     histogram_backward_kernel(const uint8_t* __restrict__ idx, const acc_t<e>* __restrict__ gs,
                               const storage_t<e>* __restrict__ x,
                               const acc_t<e>* __restrict__ cb, acc_t<e>* __restrict__ dx_parts,
@@ -147,21 +148,34 @@ __global__ void __launch_bounds__(kHistThreads)
         acc v[kHistBatch];
 #pragma unroll
         for (int b = 0; b < kHistBatch; ++b) v[b] = b < nb ? gsb[b * kHistChunk + r] : acc(0);
-        // Rows past N get keys no code has, so they match no other lane.
+        // Rows past N get keys no code has, so they match no other lane. The lowest lane of
+        // each code's lanes (its leader) adds their values in lane order, fetched by shuffles,
+        // then adds that sum to the bin: the leaders' codes differ, so their adds never collide.
         const unsigned key =
             valid ? static_cast<unsigned>(code) : 256u + static_cast<unsigned>(lane);
         const unsigned peers = __match_any_sync(kAll, key);
-        const unsigned rank = static_cast<unsigned>(__popc(peers & ((1u << lane) - 1u)));
-        const unsigned top = __reduce_max_sync(kAll, rank);
-        for (unsigned k = 0; k <= top; ++k) {
-          if (valid && rank == k) {
-            acc* hc = h + code;
+        const bool leader = (peers & ((1u << lane) - 1u)) == 0u;
+        unsigned rest = leader ? peers & (peers - 1u) : 0u;  // the leader's peers, lane order
+        const unsigned top = __reduce_max_sync(kAll, static_cast<unsigned>(__popc(rest)));
+        acc sum[kHistBatch];
 #pragma unroll
-            for (int b = 0; b < kHistBatch; ++b)
-              if (b < nb) hc[b * HS] += v[b];
+        for (int b = 0; b < kHistBatch; ++b) sum[b] = v[b];
+        for (unsigned k = 0; k < top; ++k) {
+          const int src = rest != 0u ? __ffs(rest) - 1 : lane;
+          rest &= rest - 1u;
+#pragma unroll
+          for (int b = 0; b < kHistBatch; ++b) {
+            const acc other = __shfl_sync(kAll, v[b], src);
+            if (src != lane) sum[b] += other;
           }
-          __syncwarp();
         }
+        if (valid && leader) {
+          acc* hc = h + code;
+#pragma unroll
+          for (int b = 0; b < kHistBatch; ++b)
+            if (b < nb) hc[b * HS] += sum[b];
+        }
+        __syncwarp();  // this round's adds are visible to the next round's lanes
       }
     }
     __syncthreads();  // buffer c % 2 is free for chunk c + 2

@@ -114,11 +114,25 @@ T __shfl_xor_sync(unsigned, T v, int off) {
   return r;
 }
 
+template <class T>
+T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) <= sizeof(double), "shuffle of a wide type");
+  emu::Warp& w = *(*emu::block->warps)[threadIdx.x / 32];
+  const int lane = threadIdx.x % 32;
+  std::memcpy(&w.slots[lane], &v, sizeof(T));
+  w.bar.arrive_and_wait();
+  T r;
+  std::memcpy(&r, &w.slots[src & 31], sizeof(T));
+  w.bar.arrive_and_wait();
+  return r;
+}
+
 // A warp barrier, and the warp votes the histogram backward uses (all 32 lanes take part).
 inline void __syncwarp(unsigned = 0xffffffffu) {
   (*emu::block->warps)[threadIdx.x / 32]->bar.arrive_and_wait();
 }
 inline int __popc(unsigned v) { return __builtin_popcount(v); }
+inline int __ffs(unsigned v) { return __builtin_ffs(static_cast<int>(v)); }
 namespace emu {
 // Every lane's value, exchanged through the warp's slots.
 inline void warp_values(unsigned v, unsigned (&all)[32]) {
