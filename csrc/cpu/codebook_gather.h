@@ -72,6 +72,12 @@ void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, cons
     RLX_UNROLL
     for (int q = 0; q < JT; ++q) rows[q] = idx + std::min<int64_t>(j + q, j1 - 1) * steps;
     for (int64_t g = 0; g < G; ++g) {
+      if ((g & 15) == 0) {
+        // The next tile's codes at the same offset, so that their rows come from memory while
+        // this tile's entries are read (each row's codes are a short stream of their own).
+        RLX_UNROLL
+        for (int q = 0; q < JT; ++q) __builtin_prefetch(rows[q] + JT * steps + g * M);
+      }
       V xv[BT];
       RLX_UNROLL
       for (int b = 0; b < BT; ++b) std::memcpy(&xv[b], xt + b * K + g * D, sizeof(V));
