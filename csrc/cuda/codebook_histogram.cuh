@@ -18,8 +18,8 @@
 // in rounds of 32 rows, one row a lane; lanes whose codes collide are found with
 // __match_any_sync, and the lowest of them adds their gradients in lane order (shuffles) and
 // then that sum to the bin, so every H_s[b][c] is a sum of its rows in a fixed order, and a
-// round costs one shared-memory add per distinct code and batch row. After the split's last chunk the block's threads compute from its
-// histograms
+// round costs one shared-memory add per distinct code and batch row. After the split's last
+// chunk the block's threads compute from its histograms
 //   dx_parts[r][m][b][g*D + t]  for each of its steps and batch rows (a sum over c in order,
 //                               r the block's row split), and
 //   dc_parts[k][m][c][t]        the sum over its steps of codebook m (in step order) and its
