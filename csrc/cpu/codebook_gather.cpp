@@ -46,13 +46,7 @@ __attribute__((target("avx2,fma,f16c"))) void gather_rows_half8(
     RLX_UNROLL
     for (int q = 0; q < JT; ++q) rows[q] = idx + std::min<int64_t>(j + q, j1 - 1) * steps;
     for (int64_t g = 0; g < G; ++g) {
-      if ((g & 15) == 0) {
-        // The next tile's codes at the same offset, so that their rows come from DRAM while
-        // this tile's entries are read (each row's codes are a short stream of their own).
-        RLX_UNROLL
-        for (int q = 0; q < JT; ++q)
-          __builtin_prefetch(rows[q] + JT * steps + g * M);
-      }
+      if ((g & 15) == 0) prefetch_next_tile_codes<JT>(rows, JT * steps + g * M);
       __m256 xv[BT];
       RLX_UNROLL
       for (int b = 0; b < BT; ++b) xv[b] = _mm256_loadu_ps(xt + b * K + g * 8);

@@ -56,6 +56,16 @@ inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward wo
 // FixedM > 0 fixes the codebook count too (1x16, 2x16), so that the code offsets advance by
 // constants and stay in registers instead of being reloaded from the stack (a load per code
 // next to the entry's).
+// Every 16 groups, the one-row tiles prefetch the next tile's codes at the same offset
+// (`offset` codes past each of this tile's rows), so that they come from memory while this
+// tile's entries are read: each row's codes are a short stream of their own, which the
+// hardware prefetchers pick up late.
+template <int JT>
+inline void prefetch_next_tile_codes(const uint16_t* const (&rows)[JT], int64_t offset) {
+  RLX_UNROLL
+  for (int q = 0; q < JT; ++q) __builtin_prefetch(rows[q] + offset);
+}
+
 template <typename acc_t, int D, int BT, int JT, int FixedM>
 void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, const acc_t* cb,
                        int64_t j0, int64_t j1, acc_t* raw, int64_t raw_stride, BadIndex& bad) {
@@ -72,12 +82,7 @@ void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, cons
     RLX_UNROLL
     for (int q = 0; q < JT; ++q) rows[q] = idx + std::min<int64_t>(j + q, j1 - 1) * steps;
     for (int64_t g = 0; g < G; ++g) {
-      if ((g & 15) == 0) {
-        // The next tile's codes at the same offset, so that their rows come from memory while
-        // this tile's entries are read (each row's codes are a short stream of their own).
-        RLX_UNROLL
-        for (int q = 0; q < JT; ++q) __builtin_prefetch(rows[q] + JT * steps + g * M);
-      }
+      if ((g & 15) == 0) prefetch_next_tile_codes<JT>(rows, JT * steps + g * M);
       V xv[BT];
       RLX_UNROLL
       for (int b = 0; b < BT; ++b) std::memcpy(&xv[b], xt + b * K + g * D, sizeof(V));

@@ -101,19 +101,7 @@ inline void __syncthreads() {
   }
 }
 
-template <class T>
-T __shfl_xor_sync(unsigned, T v, int off) {
-  static_assert(sizeof(T) <= sizeof(double), "shuffle of a wide type");
-  emu::Warp& w = *(*emu::block->warps)[threadIdx.x / 32];
-  const int lane = threadIdx.x % 32;
-  std::memcpy(&w.slots[lane], &v, sizeof(T));
-  w.bar.arrive_and_wait();
-  T r;
-  std::memcpy(&r, &w.slots[lane ^ off], sizeof(T));
-  w.bar.arrive_and_wait();
-  return r;
-}
-
+// Lane src's value (src taken modulo 32, as the hardware does).
 template <class T>
 T __shfl_sync(unsigned, T v, int src) {
   static_assert(sizeof(T) <= sizeof(double), "shuffle of a wide type");
@@ -125,6 +113,11 @@ T __shfl_sync(unsigned, T v, int src) {
   std::memcpy(&r, &w.slots[src & 31], sizeof(T));
   w.bar.arrive_and_wait();
   return r;
+}
+
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int off) {
+  return __shfl_sync(mask, v, static_cast<int>(threadIdx.x % 32) ^ off);
 }
 
 // A warp barrier, and the warp votes the histogram backward uses (all 32 lanes take part).
