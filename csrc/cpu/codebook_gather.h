@@ -51,12 +51,7 @@ struct BadIndex {
 
 inline constexpr int64_t kGatherRowsPerItem = 64;  // output rows per forward work item
 
-// raw[b0 + b, j] (b < BT) for rows j in [j0, j1): JT rows at a time give JT*BT independent
-// accumulator chains. xt is [BT][K] in acc_t (zero rows past the batch). Compile-time D;
-// FixedM > 0 fixes the codebook count too (1x16, 2x16), so that the code offsets advance by
-// constants and stay in registers instead of being reloaded from the stack (a load per code
-// next to the entry's).
-// Every 16 groups, the one-row tiles prefetch the next tile's codes at the same offset
+// Every 16 groups, the gather tile kernels prefetch the next tile's codes at the same offset
 // (`offset` codes past each of this tile's rows), so that they come from memory while this
 // tile's entries are read: each row's codes are a short stream of their own, which the
 // hardware prefetchers pick up late.
@@ -66,6 +61,11 @@ inline void prefetch_next_tile_codes(const uint16_t* const (&rows)[JT], int64_t 
   for (int q = 0; q < JT; ++q) __builtin_prefetch(rows[q] + offset);
 }
 
+// raw[b0 + b, j] (b < BT) for rows j in [j0, j1): JT rows at a time give JT*BT independent
+// accumulator chains. xt is [BT][K] in acc_t (zero rows past the batch). Compile-time D;
+// FixedM > 0 fixes the codebook count too (1x16, 2x16), so that the code offsets advance by
+// constants and stay in registers instead of being reloaded from the stack (a load per code
+// next to the entry's).
 template <typename acc_t, int D, int BT, int JT, int FixedM>
 void gather_rows_fixed(const Dims& d, const acc_t* xt, const uint16_t* idx, const acc_t* cb,
                        int64_t j0, int64_t j1, acc_t* raw, int64_t raw_stride, BadIndex& bad) {

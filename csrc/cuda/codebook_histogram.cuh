@@ -4,8 +4,8 @@
 //   H_s[b][c]       = the sum of gs[b, j] over the output rows j with idx[j, g, m] = c
 //   dx[b, g*D + t]  = sum_m sum_c H_{g*M+m}[b][c] * C[m, c, t]
 //   dC[m, c, t]     = sum_g sum_b H_{g*M+m}[b][c] * x[b, g*D + t]
-// Both gradients come from the same histograms, and building them costs one shared-memory add
-// per (output row, step, batch row): no products per code and no dense dW. The products left
+// Both gradients come from the same histograms, and building them costs at most one
+// shared-memory add per (output row, step, batch row): no products per code and no dense dW. The products left
 // are per step and entry (E * D * B of each kind), a small share of the work.
 //
 // Block k takes kHistSteps consecutive steps (one warp each), `bpb` (at most kHistBatch) batch
